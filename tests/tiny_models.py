@@ -1,0 +1,67 @@
+"""Tiny randomly initialised decoder models for tests (fixed seeds, CPU, float32).
+
+Each uses the embedded SmolLM2 tokenizer (vocab 49152), so prompts are real text; the models
+are small enough that a forward pass takes milliseconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from actors.loader import ensure_embedded_converted, load_tokenizer
+
+VOCAB = 49152
+
+# (model_type, heads, kv heads, head_dim): GQA, an odd head count, and plain MHA.
+ARCHS: dict[str, dict[str, int | str | bool]] = {
+    "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "qwen2": dict(model_type="qwen2", num_attention_heads=3, num_key_value_heads=1, head_dim=16),
+    "mistral": dict(model_type="mistral", num_attention_heads=5, num_key_value_heads=5, head_dim=8),
+}
+
+
+def tiny_config(arch: str = "llama", num_layers: int = 2, max_position_embeddings: int = 512):
+    """A transformers config for a tiny model of the given architecture."""
+    spec = dict(ARCHS[arch])
+    model_type = str(spec.pop("model_type"))
+    heads = int(spec["num_attention_heads"])
+    head_dim = int(spec["head_dim"])
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=heads * head_dim,
+        intermediate_size=2 * heads * head_dim,
+        num_hidden_layers=num_layers,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        **spec,
+    )
+    if model_type == "mistral":
+        kwargs["sliding_window"] = None
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, num_layers: int = 2):
+    """A tiny random model in eval mode (float32, CPU), the same for the same seed."""
+    torch.manual_seed(seed)
+    config = tiny_config(arch, num_layers)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    # Random init gives near-uniform logits and many argmax ties; a wider embedding spread
+    # makes greedy choices well separated so token comparisons are meaningful.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0, 1.0)
+    return model.eval()
+
+
+def save_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, num_layers: int = 2) -> Path:
+    """Write a tiny model plus the SmolLM2 tokenizer to `folder` (a loadable model path)."""
+    folder = Path(folder)
+    tiny_model(arch, seed, num_layers).save_pretrained(folder)
+    ensure_embedded_converted()
+    load_tokenizer("smollm2").save_pretrained(folder)
+    return folder
