@@ -1,0 +1,207 @@
+"""The admission rule: unit cases and properties (bounds, AIMD direction, burst, timeout)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packing.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    next_threshold,
+    percentile,
+)
+
+BAND = dict(ttft_low_s=0.5, ttft_high_s=1.0)
+
+
+def aimd(**overrides: object) -> AdmissionController:
+    """An aimd controller with the test band and any knob overridden."""
+    kwargs: dict[str, object] = dict(policy="aimd", n_min=1, n_max=16, **BAND)
+    kwargs.update(overrides)
+    return AdmissionController(AdmissionConfig(**kwargs))  # type: ignore[arg-type]
+
+
+def test_cold_start_at_n_min() -> None:
+    ctl = aimd(n_min=3)
+    assert ctl.threshold == 3
+    assert ctl.smoothed_p95_ttft is None
+    assert ctl.arrival_rate(0.0) == 0.0
+
+
+def test_empty_queue_admits_nothing() -> None:
+    for policy in ("immediate", "fixed", "aimd"):
+        ctl = AdmissionController(AdmissionConfig(policy=policy))  # type: ignore[arg-type]
+        assert ctl.decide(1.0, 0, None).count == 0
+
+
+def test_immediate_admits_everything() -> None:
+    ctl = AdmissionController(AdmissionConfig(policy="immediate"))
+    decision = ctl.decide(10.0, 3, 10.0)
+    assert (decision.count, decision.reason) == (3, "immediate")
+
+
+def test_fixed_window_by_count_and_by_time() -> None:
+    ctl = AdmissionController(AdmissionConfig(policy="fixed", window_requests=4, window_s=0.1))
+    waiting = ctl.decide(1.0, 3, 0.95)
+    assert waiting.count == 0 and waiting.wake_at == pytest.approx(1.05)
+    assert ctl.decide(1.0, 4, 0.99).count == 4
+    assert ctl.decide(1.06, 3, 0.95).reason == "window"
+
+
+def test_aimd_threshold_and_timeout() -> None:
+    ctl = aimd(n_min=2, max_wait_s=0.2, burst_arrival_rate=1e9)
+    assert ctl.decide(5.0, 1, 5.0) == ctl.decide(5.0, 1, 5.0)
+    wait = ctl.decide(5.0, 1, 5.0)
+    assert wait.count == 0 and wait.reason == "wait" and wait.wake_at == pytest.approx(5.2)
+    assert ctl.decide(5.0, 2, 5.0).reason == "threshold"
+    timeout = ctl.decide(5.2, 1, 5.0)
+    assert (timeout.count, timeout.reason) == (1, "timeout")
+
+
+def test_aimd_increase_decrease_and_hysteresis() -> None:
+    ctl = aimd(ttft_ewma_weight=1.0, ttft_window=1, alpha=2.0, beta=0.5)
+    ctl.observe_ttfts([0.1])  # below the band: +alpha
+    assert ctl.threshold == 3
+    ctl.observe_ttfts([0.7])  # inside: unchanged
+    assert ctl.threshold == 3
+    ctl.observe_ttfts([2.0])  # above: *beta
+    assert ctl.threshold == 1
+    ctl.observe_ttfts([])  # no observation, no update
+    assert ctl.threshold == 1
+
+
+def test_burst_override_by_depth_and_by_rate() -> None:
+    ctl = aimd(n_min=8, burst_queue_depth=5, burst_arrival_rate=100.0, max_wait_s=10.0)
+    assert ctl.decide(0.0, 5, 0.0).reason == "burst_depth"
+    for i in range(20):
+        ctl.observe_arrival(i * 0.001)  # 1000 requests/s
+    assert ctl.arrival_rate(0.02) > 100.0
+    assert ctl.decide(0.02, 2, 0.019).reason == "burst_rate"
+    # the estimate decays once arrivals stop
+    assert ctl.arrival_rate(5.0) == pytest.approx(1 / (5.0 - 0.019))
+    assert ctl.decide(5.0, 2, 4.99).reason == "wait"
+
+
+def test_percentile_matches_numpy() -> None:
+    values = [0.3, 0.1, 5.0, 2.0, 0.7]
+    for q in (0, 50, 95, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(policy="lifo"),
+        dict(n_min=0),
+        dict(n_min=4, n_max=3),
+        dict(beta=1.0),
+        dict(alpha=0.0),
+        dict(ttft_low_s=2.0, ttft_high_s=1.0),
+        dict(ttft_ewma_weight=0.0),
+        dict(max_wait_s=-1.0),
+        dict(burst_arrival_rate=0.0),
+    ],
+)
+def test_config_rejects_bad_knobs(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        AdmissionConfig(**kwargs)  # type: ignore[arg-type]
+
+
+configs = st.builds(
+    AdmissionConfig,
+    policy=st.just("aimd"),
+    n_min=st.integers(1, 8),
+    n_max=st.integers(8, 64),
+    alpha=st.floats(0.1, 4.0),
+    beta=st.floats(0.1, 0.9),
+    ttft_low_s=st.floats(0.01, 1.0),
+    ttft_high_s=st.floats(1.0, 3.0),
+    ttft_ewma_weight=st.floats(0.05, 1.0),
+    ttft_window=st.integers(1, 100),
+    burst_queue_depth=st.integers(1, 100),
+    burst_arrival_rate=st.floats(1.0, 1000.0),
+    max_wait_s=st.floats(0.0, 2.0),
+)
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just("ttft"), st.lists(st.floats(0.0, 10.0), max_size=5)),
+        st.tuples(st.just("arrive"), st.floats(0.0, 0.5)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs, events)
+def test_threshold_stays_in_bounds(config: AdmissionConfig, trace: list) -> None:
+    ctl = AdmissionController(config)
+    now = 0.0
+    for kind, value in trace:
+        if kind == "ttft":
+            ctl.observe_ttfts(value)
+        else:
+            now += value
+            ctl.observe_arrival(now)
+        assert config.n_min <= ctl.threshold <= config.n_max
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs, st.integers(0, 64))
+def test_sustained_violation_drives_threshold_to_n_min(config: AdmissionConfig, start: int) -> None:
+    ctl = AdmissionController(config)
+    for _ in range(start):  # first push N_t up with slack
+        ctl.observe_ttfts([0.0])
+    for _ in range(400):
+        previous = ctl.threshold
+        ctl.observe_ttfts([config.ttft_high_s * 10 + 1])
+        smoothed = ctl.smoothed_p95_ttft
+        assert smoothed is not None
+        if smoothed > config.ttft_high_s:  # past the transient the window still remembers
+            assert ctl.threshold <= previous
+    assert ctl.threshold == config.n_min
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs)
+def test_sustained_slack_drives_threshold_to_n_max(config: AdmissionConfig) -> None:
+    ctl = AdmissionController(config)
+    for _ in range(2000):
+        previous = ctl.threshold
+        ctl.observe_ttfts([config.ttft_low_s / 2])
+        assert ctl.threshold >= previous
+    assert ctl.threshold == config.n_max
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs, st.integers(1, 200), st.floats(0.0, 5.0), st.floats(0.0, 5.0))
+def test_burst_and_timeout_always_admit_all(
+    config: AdmissionConfig, depth: int, oldest: float, waited: float
+) -> None:
+    ctl = AdmissionController(config)
+    now = oldest + waited
+    decision = ctl.decide(now, depth, oldest)
+    assert decision.count in (0, depth)
+    if depth >= config.burst_queue_depth or waited >= config.max_wait_s:
+        assert decision.count == depth
+    if decision.count == 0:
+        assert decision.wake_at is not None and decision.wake_at > now
+        assert decision.wake_at - oldest == pytest.approx(config.max_wait_s)
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs, st.floats(0.0, 10.0))
+def test_next_threshold_direction(config: AdmissionConfig, p95: float) -> None:
+    mid = (config.n_min + config.n_max) / 2
+    new = next_threshold(config, mid, p95)
+    assert config.n_min <= new <= config.n_max
+    if p95 < config.ttft_low_s:
+        assert new >= mid
+    elif p95 > config.ttft_high_s:
+        assert new <= mid
+    else:
+        assert new == mid
