@@ -1,0 +1,220 @@
+"""Paged attention behind transformers' `AttentionInterface` (name `raypack_paged`).
+
+The model is an unmodified Hugging Face model; the engine switches its attention
+implementation to `paged_attention` and passes the step's `AttentionMetadata` through the
+forward's keyword argument `raypack_attention` (transformers hands extra forward kwargs to the
+attention function). Nothing is stored in module or class state, so several engines can run
+in one process.
+
+Per layer the function writes the step's new K/V into the paged cache, then attends:
+- CPU: one batched SDPA call for all decodes (their K/V gathered by block table into a padded
+  batch with a key mask), and one SDPA call per prefill segment: `is_causal` on the fresh K/V
+  when nothing is cached, else the cached + new K/V with a bottom-right causal mask.
+- CUDA: one `varlen_attn` call over the whole flat sequence (`_varlen_attention`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from packing.layout import padded_block_tables, token_slots
+
+ATTN_NAME = "raypack_paged"
+ATTN_KWARG = "raypack_attention"
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    """A request with more than one new token, or with nothing cached yet."""
+
+    q_start: int  # its rows in the flat sequence: q_start .. q_end - 1
+    q_end: int
+    key_slots: torch.Tensor | None  # [num_cached + num_new] cache slots; None: attend fresh K/V
+    mask: torch.Tensor | None  # [num_new, num_cached + num_new] bottom-right causal, or None
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Requests with one new token after cached ones: rows 0 .. size - 1 of the step."""
+
+    size: int
+    block_ids: torch.Tensor  # [size * max_blocks] padded block tables, flattened
+    key_mask: torch.Tensor  # [size, 1, 1, max_blocks * block_size] True where a key exists
+    max_blocks: int
+
+
+@dataclass(frozen=True)
+class VarlenInputs:
+    """The whole step for a varlen kernel: cached + new keys of every request, end to end."""
+
+    key_slots: torch.Tensor  # [total_keys] cache slots, request after request
+    cu_seqlens_q: torch.Tensor  # [num_reqs + 1] int32
+    cu_seqlens_k: torch.Tensor  # [num_reqs + 1] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything the attention function needs for one step (built once, used by all layers)."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [blocks, bs, kv_heads, dim]
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
+    decodes: DecodeBatch | None
+    prefills: tuple[PrefillSegment, ...]
+    varlen: VarlenInputs | None = None  # set on CUDA
+
+
+def build_metadata(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    num_cached: np.ndarray,
+    num_new: np.ndarray,
+    block_tables: list[list[int]],
+    slot_mapping: np.ndarray,
+    cu_seqlens_q: np.ndarray,
+    block_size: int,
+    num_decodes: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Metadata for segments `(num_cached[i], num_new[i])`; the first `num_decodes` are
+    decodes (one new token after cached ones)."""
+
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+    slots = tensor(slot_mapping)
+    if device.type == "cuda":
+        key_slots = np.concatenate(
+            [token_slots(t, int(c + n), block_size) for t, c, n in
+             zip(block_tables, num_cached, num_new, strict=True)]
+        )
+        cu_k = np.concatenate([[0], np.cumsum(num_cached + num_new)])
+        varlen = VarlenInputs(
+            key_slots=tensor(key_slots),
+            cu_seqlens_q=tensor(cu_seqlens_q.astype(np.int32)),
+            cu_seqlens_k=tensor(cu_k.astype(np.int32)),
+            max_seqlen_q=int(num_new.max()),
+            max_seqlen_k=int((num_cached + num_new).max()),
+        )
+        return AttentionMetadata(kv_caches, slots, None, (), varlen)
+
+    decodes = None
+    if num_decodes:
+        tables = padded_block_tables(block_tables[:num_decodes])  # [B, max_blocks]
+        max_blocks = tables.shape[1]
+        seq_lens = num_cached[:num_decodes] + 1  # [B]
+        keys = np.arange(max_blocks * block_size)
+        key_mask = keys[None, :] < seq_lens[:, None]  # [B, max_blocks * block_size]
+        decodes = DecodeBatch(
+            size=num_decodes,
+            block_ids=tensor(tables.reshape(-1)),
+            key_mask=tensor(key_mask[:, None, None, :]),
+            max_blocks=max_blocks,
+        )
+    prefills = []
+    for i in range(num_decodes, len(num_new)):
+        cached, new = int(num_cached[i]), int(num_new[i])
+        key_slots_i, mask = None, None
+        if cached:
+            key_slots_i = tensor(token_slots(block_tables[i], cached + new, block_size))
+            if new > 1:
+                rows = cached + np.arange(new)
+                mask = tensor(np.arange(cached + new)[None, :] <= rows[:, None])
+        start = int(cu_seqlens_q[i])
+        prefills.append(PrefillSegment(start, start + new, key_slots_i, mask))
+    return AttentionMetadata(kv_caches, slots, decodes, tuple(prefills))
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, num_heads, num_tokens, head_dim]
+    key: torch.Tensor,  # [1, num_kv_heads, num_tokens, head_dim]
+    value: torch.Tensor,  # [1, num_kv_heads, num_tokens, head_dim]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Write the step's K/V into the paged cache and attend; returns
+    `[1, num_tokens, num_heads, head_dim]` as transformers expects."""
+    meta: AttentionMetadata | None = kwargs.get(ATTN_KWARG)
+    if meta is None:
+        raise RuntimeError(
+            f"attention implementation {ATTN_NAME!r} needs the engine's per-step metadata; "
+            "run this model through LLMEngine, or call "
+            "model.set_attn_implementation('sdpa') to use it on its own"
+        )
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]  # [num_blocks, block_size, kv_heads, dim]
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    k_new = key[0].transpose(0, 1)  # [num_tokens, kv_heads, dim]
+    v_new = value[0].transpose(0, 1)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k_new)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v_new)
+
+    if meta.varlen is not None:
+        return _varlen_attention(query, k_cache, v_cache, meta.varlen, scaling), None
+
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [tokens, heads, dim]
+    dec = meta.decodes
+    if dec is not None:
+        q = query[0, :, : dec.size].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, dim]
+        seq = dec.max_blocks * block_size
+        # [B, max_blocks * block_size, kv_heads, dim] -> [B, kv_heads, keys, dim]
+        k = k_cache.index_select(0, dec.block_ids).view(dec.size, seq, num_kv_heads, head_dim)
+        v = v_cache.index_select(0, dec.block_ids).view(dec.size, seq, num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=dec.key_mask,
+            scale=scaling, enable_gqa=True,
+        )  # [B, heads, 1, dim]
+        out[: dec.size] = o.squeeze(2)
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    for seg in meta.prefills:
+        q = query[:, :, seg.q_start : seg.q_end]  # [1, heads, n, dim]
+        if seg.key_slots is None:  # nothing cached: causal attention on the fresh K/V
+            k = key[:, :, seg.q_start : seg.q_end]
+            v = value[:, :, seg.q_start : seg.q_end]
+        else:  # [1, kv_heads, cached + n, dim] read back from the cache
+            k = k_flat.index_select(0, seg.key_slots).transpose(0, 1).unsqueeze(0)
+            v = v_flat.index_select(0, seg.key_slots).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=seg.mask,
+            is_causal=seg.key_slots is None and seg.q_end - seg.q_start > 1,
+            scale=scaling, enable_gqa=True,
+        )  # [1, heads, n, dim]
+        out[seg.q_start : seg.q_end] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _varlen_attention(
+    query: torch.Tensor,  # [1, heads, tokens, dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, dim]
+    v_cache: torch.Tensor,
+    inputs: VarlenInputs,
+    scaling: float | None,
+) -> torch.Tensor:
+    """GPU path: one flash varlen call; keys of each request gathered from the cache.
+    Causal masking in flash varlen is bottom-right aligned, as cached prefixes need."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    _, _, kv_heads, dim = k_cache.shape
+    k = k_cache.view(-1, kv_heads, dim).index_select(0, inputs.key_slots)  # [keys, kv_heads, dim]
+    v = v_cache.view(-1, kv_heads, dim).index_select(0, inputs.key_slots)
+    q = query[0].transpose(0, 1).contiguous()  # [tokens, heads, dim]
+    out = varlen_attn(
+        q, k, v, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
+        inputs.max_seqlen_q, inputs.max_seqlen_k,
+        scale=scaling, window_size=(-1, 0), enable_gqa=True,
+    )
+    return out.unsqueeze(0)  # [1, tokens, heads, dim]
+
+
+def register() -> None:
+    """Register `paged_attention` with transformers under `raypack_paged` (idempotent; the
+    registry maps a name to a pure function, nothing per engine is stored there)."""
+    AttentionInterface.register(ATTN_NAME, paged_attention)

@@ -1,0 +1,124 @@
+"""Turn a scheduled step into one flat model input, run the model, return logits.
+
+The step is ONE sequence: each scheduled request contributes its next `num_new` tokens, with
+positions continuing after its cached tokens (`packing.layout.flat_layout`) and K/V slots from
+its block table (`packing.layout.slot_mapping`). Decodes come first so attention can batch
+them. Logits are computed only at the last row of each request that samples this step.
+
+`prepare` (layout -> tensors) and `forward` (model call) are separate on purpose: other
+execution modes (Prepacking's 2-D bins, padded batches) plug in at `forward`'s inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from actors import attention
+from actors.config import EngineConfig
+from actors.kv_cache import allocate_kv_tensors
+from actors.request import Request
+from actors.scheduler import SchedulerOutput
+from packing.layout import flat_layout, slot_mapping
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """One step's tensors."""
+
+    input_ids: torch.Tensor  # [1, num_tokens]
+    position_ids: torch.Tensor  # [1, num_tokens]
+    logits_indices: torch.Tensor  # [num_sampling] rows whose logits are needed
+    sampling: list[Request]  # the requests those rows belong to, in the same order
+    attn: attention.AttentionMetadata
+
+
+def model_geometry(model) -> tuple[int, int, int]:  # noqa: ANN001 (HF model)
+    """(num_layers, num_kv_heads, head_dim) of a transformers decoder."""
+    cfg = model.config.get_text_config()
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
+
+
+class ModelRunner:
+    """Owns the model and the KV tensors; executes scheduled steps."""
+
+    def __init__(self, model, config: EngineConfig, num_blocks: int):  # noqa: ANN001
+        self.model = model
+        self.config = config
+        self.block_size = config.block_size
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        num_layers, num_kv_heads, head_dim = model_geometry(model)
+        self.kv_caches = allocate_kv_tensors(
+            num_layers, num_blocks, self.block_size, num_kv_heads, head_dim,
+            self.dtype, self.device,
+        )
+        attention.register()
+        model.set_attn_implementation(attention.ATTN_NAME)
+
+    def prepare(self, sched: SchedulerOutput) -> ModelInput:
+        """Lay the step out as one flat sequence (decodes first)."""
+        decodes = [(r, n) for r, n in sched.scheduled if n == 1 and r.num_computed_tokens > 0]
+        others = [(r, n) for r, n in sched.scheduled if not (n == 1 and r.num_computed_tokens)]
+        items = decodes + others
+        num_cached = np.fromiter((r.num_computed_tokens for r, _ in items), np.int64, len(items))
+        num_new = np.fromiter((n for _, n in items), np.int64, len(items))
+        tables = [r.block_ids for r, _ in items]
+        layout = flat_layout(num_cached, num_new)
+        slots = slot_mapping(num_cached, num_new, tables, self.block_size)
+        ids: list[int] = []
+        sampling: list[Request] = []
+        rows: list[int] = []
+        for i, (req, n) in enumerate(items):
+            start = req.num_computed_tokens
+            ids.extend(req.token_ids[start : start + n])
+            if not req.is_prefix and start + n == req.num_tokens:
+                sampling.append(req)
+                rows.append(int(layout.cu_seqlens_q[i + 1]) - 1)
+        meta = attention.build_metadata(
+            self.kv_caches, num_cached, num_new, tables, slots, layout.cu_seqlens_q,
+            self.block_size, len(decodes), self.device,
+        )
+        return ModelInput(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device)[None],
+            position_ids=torch.from_numpy(layout.positions).to(self.device)[None],
+            logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device),
+            sampling=sampling,
+            attn=meta,
+        )
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (a shared prefix's partial block)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInput) -> torch.Tensor:
+        """Run the model; float32 logits `[num_sampling, vocab]`."""
+        out = self.model(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.position_ids,
+            logits_to_keep=inputs.logits_indices,
+            use_cache=False,
+            **{attention.ATTN_KWARG: inputs.attn},
+        )
+        return out.logits[0].float()
+
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+        """Copy blocks, run the step; the sampling requests and their logits."""
+        self.copy_blocks(sched.block_copies)
+        inputs = self.prepare(sched)
+        return inputs.sampling, self.forward(inputs)

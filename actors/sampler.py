@@ -1,0 +1,113 @@
+"""Pick the next token of every sampling request from its logits, vectorised where possible.
+
+Greedy rows share one argmax. Random rows are scaled by temperature, filtered by top-k and
+top-p in one sort, and drawn by the exponential race (`argmax(p / q)`, q ~ Exp(1)), which is
+a draw from p; a seeded request draws its noise from its own `torch.Generator`, so its tokens
+depend only on its seed, not on what else shares the batch. Logprobs are of the raw model
+distribution (vLLM's default), before temperature and filters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from actors.outputs import TokenLogprob
+from actors.request import Request
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """Sampled token per request, and its logprobs when asked for."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    """Stateless apart from the generator for unseeded random requests."""
+
+    def __init__(self, eos_token_ids: Iterable[int], seed: int = 0):
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """`logits` `[num_requests, vocab]` float32, one row per request (same order)."""
+        num = len(requests)
+        logprobs: list[TokenLogprob | None] = [None] * num
+        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
+
+        self._mask_until_min_tokens(logits, requests)
+        tokens = torch.empty(num, dtype=torch.long)
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        if len(greedy) == num:
+            tokens = logits.argmax(dim=-1)
+        else:
+            if greedy:
+                tokens[greedy] = logits[greedy].argmax(dim=-1)
+            random = [i for i, r in enumerate(requests) if not r.params.greedy]
+            tokens[random] = self._sample(logits[random], [requests[i] for i in random])
+        token_list = tokens.tolist()
+
+        if raw_logprobs is not None:
+            for row, i in enumerate(wanted):
+                logprobs[i] = _token_logprob(
+                    raw_logprobs[row], token_list[i], requests[i].params.logprobs or 0
+                )
+        return SamplerOutput(token_list, logprobs)
+
+    def _mask_until_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        for i, req in enumerate(requests):
+            params = req.params
+            if req.num_output_tokens >= params.min_tokens:
+                continue
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned.extend(self.eos_token_ids)
+            if banned:
+                logits[i, banned] = float("-inf")
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
+        logits = logits / temperature[:, None]
+        top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in requests]
+        top_p = [r.params.top_p for r in requests]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = apply_top_k_top_p(logits, torch.tensor(top_k), torch.tensor(top_p))
+        probs = torch.softmax(logits, dim=-1)  # [num_random, vocab]
+        noise = torch.empty_like(probs)
+        seeded = [i for i, r in enumerate(requests) if r.generator is not None]
+        if len(seeded) < len(requests):
+            noise.exponential_(generator=self.generator)
+        for i in seeded:
+            noise[i].exponential_(generator=requests[i].generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k and top-p nucleus to -inf.
+
+    `logits` `[rows, vocab]`; `top_k` `[rows]` (vocab = off); `top_p` `[rows]` (1 = off).
+    The nucleus keeps the smallest set of best tokens whose probability reaches top_p, and
+    always the best token.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, vocab]
+    ranks = torch.arange(logits.shape[-1])
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    outside = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def _token_logprob(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    top: tuple[tuple[int, float], ...] = ()
+    if num_top > 0:
+        values, ids = row.topk(num_top)
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token_id=token_id, logprob=float(row[token_id]), top=top)

@@ -1,0 +1,31 @@
+"""Fixtures for engine tests: the SmolLM2 tokenizer and tiny models (fresh per engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors import EngineConfig, LLMEngine
+from actors.loader import load_tokenizer
+from tests.tiny_models import tiny_model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded SmolLM2 tokenizer (the tiny models share its vocabulary)."""
+    return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="session")
+def reference_models():
+    """One tiny model per architecture, left on `sdpa`, for Hugging Face references."""
+    return {arch: tiny_model(arch) for arch in ("llama", "qwen2", "mistral")}
+
+
+@pytest.fixture
+def make_engine(tokenizer):
+    """Build an engine over a fresh tiny model (same weights as the reference's)."""
+
+    def make(arch: str = "llama", **config) -> LLMEngine:
+        return LLMEngine(EngineConfig(**config), model=tiny_model(arch), tokenizer=tokenizer)
+
+    return make

@@ -1,0 +1,73 @@
+"""Hugging Face references for the engine's exactness tests, and the tie-aware comparison."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+ALPACA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "alpaca_5000.json"
+TIE_GAP = 1e-4  # a top-2 logit gap below this is a floating-point tie, not an engine bug
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens from `model.generate` on this prompt alone (stops at EOS like the engine)."""
+    out = model.generate(
+        torch.tensor([list(prompt_ids)]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=model.config.pad_token_id or 0,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@torch.inference_mode()
+def top2_gap(model, ids: Sequence[int]) -> float:
+    """Gap between the best two next-token logits of `ids` (a solo forward)."""
+    logits = model(torch.tensor([list(ids)])).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def assert_greedy_match(
+    reference_model, prompt_ids: Sequence[int], got: Sequence[int], expected: Sequence[int]
+) -> bool:
+    """Tokens must equal the reference's; a difference is allowed only at a logit tie.
+
+    At the first differing token the reference's top-2 gap must be below TIE_GAP (the tie is
+    shown, not assumed); after it the sequences may legitimately part. Returns True when
+    identical.
+    """
+    got, expected = list(got), list(expected)
+    if got == expected:
+        return True
+    first = next(
+        (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
+        min(len(got), len(expected)),
+    )
+    if first == min(len(got), len(expected)):
+        raise AssertionError(f"lengths differ with a common prefix: got {got}, expected {expected}")
+    gap = top2_gap(reference_model, list(prompt_ids) + expected[:first])
+    assert gap < TIE_GAP, (
+        f"token {first} differs (got {got[first]}, reference {expected[first]}) and the "
+        f"reference's top-2 logit gap there is {gap:.3g}, not a tie"
+    )
+    return False
+
+
+def alpaca_records(count: int, start: int = 0) -> list[dict[str, str]]:
+    """Real instruction records from the shared Alpaca sample."""
+    with open(ALPACA) as f:
+        records = json.load(f)
+    return records[start : start + count]
+
+
+def alpaca_prompt(record: dict[str, str]) -> str:
+    """The instruction (and input, when present) as one user message."""
+    if record.get("input"):
+        return f"{record['instruction']}\n\n{record['input']}"
+    return record["instruction"]

@@ -1,0 +1,32 @@
+"""The engine's public API end to end on a tiny model."""
+
+from __future__ import annotations
+
+from actors import SamplingParams
+from tests.actors.reference import assert_greedy_match, hf_greedy
+
+
+def test_generate_matches_hf_greedy(make_engine, tokenizer, reference_models) -> None:
+    prompts = ["Hello there, how are you doing today?", "The capital of France is", "x"]
+    engine = make_engine("llama", num_kv_blocks=64, chunk_size=7, max_num_batched_tokens=32)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10))
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        expected = hf_greedy(reference_models["llama"], ids, 10)
+        assert_greedy_match(reference_models["llama"], ids, out.token_ids, expected)
+        assert out.finished and out.finish_reason in ("stop", "length")
+        assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_add_request_and_step_stream_cumulative_outputs(make_engine) -> None:
+    engine = make_engine("llama", num_kv_blocks=64)
+    rid = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == rid
+            seen.append(out)
+    assert [len(o.token_ids) for o in seen] == [1, 2, 3, 4]
+    assert [o.finished for o in seen] == [False, False, False, True]
+    assert seen[-1].finish_reason == "length"
+    assert seen[-1].token_ids[:3] == seen[2].token_ids
