@@ -1,0 +1,199 @@
+"""Typed configuration of the offline job: frozen dataclasses, validated once at construction.
+
+The CLI (`pipeline/cli.py`) builds these from flags; the stages receive only the parts they
+need. Nothing here touches Ray, the filesystem or the model.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from typing import Literal
+
+from actors.config import EngineConfig, SamplingParams
+
+InputFormat = Literal["parquet", "jsonl", "csv", "hf"]
+_FORMATS = ("parquet", "jsonl", "csv", "hf")
+OUTPUT_ID = "id"  # the output's id column (the user's id column is copied into it as text)
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    """Where the prompt table is and which of its columns matter.
+
+    `path` is a file, a folder or a glob; `format` None means "from the file names" (a folder
+    saved by `datasets.save_to_disk` is `hf`). Without `id_column` each row's id is a hash of
+    its content, so identical rows share an id and are generated once.
+    """
+
+    path: str
+    format: InputFormat | None = None
+    id_column: str | None = None
+    keep_columns: tuple[str, ...] = ()
+    hf_split: str | None = None  # for a saved DatasetDict: which split to read
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("input path is empty")
+        if self.format is not None and self.format not in _FORMATS:
+            raise ValueError(f"input format must be one of {_FORMATS}, got {self.format!r}")
+        object.__setattr__(self, "keep_columns", tuple(self.keep_columns))
+        if OUTPUT_ID in self.keep_columns:
+            raise ValueError(f"keep_columns cannot hold {OUTPUT_ID!r}: the output has its own id")
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    """How a row becomes a prompt: exactly one of a text column, a template, a messages column.
+
+    `template` is `str.format` syntax over column names (`"{document}\\n\\nQ: {query}"`).
+    `messages_column` holds chat messages (a list of {"role", "content"}, or that as JSON),
+    always rendered with the tokenizer's chat template; `chat` renders a text prompt as one
+    user message (after `system_prompt`, when given) the same way.
+
+    Sampling overrides come from `override_columns` (columns named like SamplingParams
+    fields; None means every input column with such a name) and `sampling_column` (a dict, or
+    JSON text, of SamplingParams fields per row).
+    """
+
+    prompt_column: str | None = None
+    template: str | None = None
+    messages_column: str | None = None
+    chat: bool = False
+    system_prompt: str | None = None
+    add_special_tokens: bool = False  # the engine's convention for text prompts
+    override_columns: tuple[str, ...] | None = None
+    sampling_column: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name, value in (
+                ("prompt_column", self.prompt_column),
+                ("template", self.template),
+                ("messages_column", self.messages_column),
+            )
+            if value
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of prompt_column, template or messages_column; "
+                f"got {given or 'none'}"
+            )
+        if self.override_columns is not None:
+            object.__setattr__(self, "override_columns", tuple(self.override_columns))
+        if self.template is not None:
+            self.template_fields  # noqa: B018 (raises ValueError on a malformed template)
+
+    @property
+    def template_fields(self) -> tuple[str, ...]:
+        """The column names a template refers to, in order of first use."""
+        if self.template is None:
+            return ()
+        names: list[str] = []
+        try:
+            parsed = list(string.Formatter().parse(self.template))
+        except ValueError as exc:
+            raise ValueError(f"template {self.template!r} is malformed: {exc}") from None
+        for _, name, _, _ in parsed:
+            if name is None:
+                continue
+            if not name or not name.isidentifier():
+                raise ValueError(
+                    f"template fields must be column names like {{document}}, got {{{name}}}"
+                )
+            if name not in names:
+                names.append(name)
+        return tuple(names)
+
+    @property
+    def source_columns(self) -> tuple[str, ...]:
+        """The input columns the prompt is built from."""
+        if self.prompt_column:
+            return (self.prompt_column,)
+        if self.messages_column:
+            return (self.messages_column,)
+        return self.template_fields
+
+    @property
+    def uses_chat_template(self) -> bool:
+        """True when the prompt text comes out of the tokenizer's chat template."""
+        return self.chat or self.messages_column is not None
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How rows become prefix groups and shards for the engine actors.
+
+    A shard is what one engine call gets: whole prefix groups up to `max_rows_per_shard` rows
+    and `max_tokens_per_shard` prompt tokens (a shared prefix counted once). A single group
+    larger than that is split, its prefix repeated in each part. `prefix_grouping=False`
+    skips the shuffle and the grouping (every row alone), for comparison.
+    """
+
+    prefix_grouping: bool = True
+    key_block_size: int = 64  # tokens hashed into the prefix key (rows shorter have none)
+    max_rows_per_shard: int = 256
+    max_tokens_per_shard: int = 65536
+    num_partitions: int | None = None  # hash partitions of the shuffle; None: 4 per engine actor
+
+    def __post_init__(self) -> None:
+        for name in ("key_block_size", "max_rows_per_shard", "max_tokens_per_shard"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_partitions is not None and self.num_partitions < 1:
+            raise ValueError(f"num_partitions must be >= 1, got {self.num_partitions}")
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """Where the stages run.
+
+    Engine actors take one GPU each when `num_gpus_per_actor` is None and the cluster has GPUs;
+    on CPU they take `num_cpus_per_actor` (fractional by default: on a 2-core machine two
+    whole-CPU actors leave nothing for the read tasks and Ray Data waits forever). `resources`
+    adds custom resources per engine actor (tests use {"fake_gpu": 1}).
+    """
+
+    num_actors: int = 1
+    num_gpus_per_actor: float | None = None
+    num_cpus_per_actor: float = 0.5
+    resources: tuple[tuple[str, float], ...] = ()
+    torch_threads: int | None = None  # None: torch's default in the actor
+    num_tokenize_actors: int = 1
+    tokenize_num_cpus: float = 0.25
+    task_num_cpus: float = 0.25  # read, id and plan tasks
+    max_restarts: int = 3  # per engine actor; its unfinished shard is retried as often
+    rows_per_block: int = 1024  # read blocks are cut to this so the tokenizers share the work
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_actors, int) or self.num_actors < 1:
+            raise ValueError(f"num_actors must be an integer >= 1, got {self.num_actors!r}")
+        if self.num_tokenize_actors < 1:
+            raise ValueError(f"num_tokenize_actors must be >= 1, got {self.num_tokenize_actors}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.rows_per_block < 1:
+            raise ValueError(f"rows_per_block must be >= 1, got {self.rows_per_block}")
+        object.__setattr__(self, "resources", tuple((str(k), float(v)) for k, v in self.resources))
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The whole offline job: input, prompt, engine, default sampling, plan, compute, output."""
+
+    input: InputConfig
+    prompt: PromptConfig
+    output: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    text_column: str = "generated_text"
+
+    def __post_init__(self) -> None:
+        if not self.output:
+            raise ValueError("output path is empty")
+        if self.text_column in self.input.keep_columns:
+            raise ValueError(f"keep_columns cannot hold the text column {self.text_column!r}")

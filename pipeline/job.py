@@ -1,0 +1,229 @@
+"""The offline job: check, build the Ray Data pipeline, run it, report.
+
+    read -> ids (drop ids already written) -> tokenize (CPU actors) -> shuffle by prefix key
+         -> plan (groups, shards) -> one shard per block -> infer (engine actors) -> Parquet
+
+`prepare` runs on the driver without Ray and fails fast on a bad path, a missing column or an
+unknown model. `run_job` needs a connected Ray (see pipeline/cli.py `connect_ray`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline import stage
+from pipeline.config import OUTPUT_ID, JobConfig
+from pipeline.infer import InferStage
+from pipeline.plan import PlanStage
+from pipeline.prompts import SAMPLING_FIELDS, RowIdStage
+from pipeline.read import InputSource, check_columns, input_columns, read_dataset, resolve_input
+from pipeline.report import StatsCollector, Summary, summarize, write_report
+from pipeline.resume import data_files, scan_output
+from pipeline.tokenize import TokenizeStage
+
+logger = logging.getLogger(__name__)
+
+BYTES_PER_PARTITION = 64 * 2**20  # input bytes per shuffle partition when not configured
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """What `prepare` found out, for the pipeline builder."""
+
+    source: InputSource
+    columns: tuple[str, ...]
+    id_column: str | None
+    override_columns: tuple[str, ...]
+    max_model_len: int
+    num_partitions: int
+
+
+def prepare(config: JobConfig) -> PreparedJob:
+    """Check the job against the input's header and the model's config; ValueError or
+    FileNotFoundError before any work if something is missing."""
+    from actors.loader import resolve
+
+    source = resolve_input(config.input)
+    columns = input_columns(source, config.input.hf_split)
+    prompt = config.prompt
+    id_column = config.input.id_column
+    if id_column is None and OUTPUT_ID in columns:
+        id_column = OUTPUT_ID
+        logger.info("using the input's %r column as the row id", OUTPUT_ID)
+    elif id_column not in (None, OUTPUT_ID) and OUTPUT_ID in columns:
+        logger.warning("the input's %r column is replaced by ids from %r", OUTPUT_ID, id_column)
+
+    needed: dict[str, str] = {}
+    if id_column:
+        needed[id_column] = "the id column"
+    for c in prompt.source_columns:
+        needed[c] = "used by the template" if prompt.template else "the prompt source"
+    for c in config.input.keep_columns:
+        needed[c] = "asked to keep"
+    for c in prompt.override_columns or ():
+        needed[c] = "a sampling override column"
+    if prompt.sampling_column:
+        needed[prompt.sampling_column] = "the sampling parameters column"
+    check_columns(columns, needed, config.input.path)
+
+    if prompt.override_columns is None:
+        used = {id_column, *prompt.source_columns}
+        overrides = tuple(c for c in columns if c in SAMPLING_FIELDS and c not in used)
+        if overrides:
+            logger.info("per-row sampling overrides from columns %s", list(overrides))
+    else:
+        overrides = prompt.override_columns
+
+    resolve(config.engine.model)  # FileNotFoundError naming the model before Ray starts
+    return PreparedJob(
+        source=source,
+        columns=tuple(columns),
+        id_column=id_column,
+        override_columns=overrides,
+        max_model_len=model_context(config),
+        num_partitions=config.plan.num_partitions
+        or max(config.compute.num_actors, math.ceil(_input_bytes(source) / BYTES_PER_PARTITION)),
+    )
+
+
+def model_context(config: JobConfig) -> int:
+    """The model's context length (EngineConfig.max_model_len, else the model config's)."""
+    from transformers import AutoConfig
+
+    from actors.loader import EMBEDDED_NAME, ensure_embedded_converted, resolve
+
+    if config.engine.max_model_len:
+        return config.engine.max_model_len
+    if config.engine.model == EMBEDDED_NAME:
+        ensure_embedded_converted()  # once here, not in every actor at the same time
+    src = resolve(config.engine.model)
+    hf = AutoConfig.from_pretrained(
+        src.path, gguf_file=src.gguf_file, trust_remote_code=config.engine.trust_remote_code
+    )
+    return int(getattr(hf.get_text_config(), "max_position_embeddings", None) or 2048)
+
+
+def build_dataset(
+    config: JobConfig,
+    prepared: PreparedJob,
+    done_ids: frozenset[str] = frozenset(),
+    collector=None,  # noqa: ANN001 (actor handle of StatsCollector)
+    infer_cls: type[InferStage] = InferStage,
+):  # noqa: ANN201 (ray.data.Dataset)
+    """The lazy pipeline from the input to the engine's output rows (not yet written)."""
+    import ray.data
+
+    compute = config.compute
+    keep = config.input.keep_columns
+    ds = read_dataset(
+        prepared.source, config.input.hf_split, compute.task_num_cpus, compute.rows_per_block
+    )
+    ds = ds.map_batches(
+        RowIdStage(prepared.id_column, done_ids),
+        batch_format="pyarrow",
+        batch_size=None,
+        num_cpus=compute.task_num_cpus,
+    )
+    ds = ds.map_batches(
+        TokenizeStage,
+        fn_constructor_kwargs=dict(
+            prompt=config.prompt,
+            model=config.engine.model,
+            max_model_len=prepared.max_model_len,
+            sampling=config.sampling,
+            keep_columns=keep,
+            override_columns=prepared.override_columns,
+            key_block_size=config.plan.key_block_size,
+            trust_remote_code=config.engine.trust_remote_code,
+        ),
+        batch_format="pyarrow",
+        batch_size=256,
+        compute=ray.data.ActorPoolStrategy(size=compute.num_tokenize_actors),
+        num_cpus=compute.tokenize_num_cpus,
+    )
+    if config.plan.prefix_grouping:
+        # Hash partitions by prefix key: rows that can share a prefix meet in one partition.
+        # Ray's own groupby().map_groups() is this same repartition plus batch_size=None.
+        ds = ds.repartition(prepared.num_partitions, keys=[stage.SHUFFLE_KEY])
+    ds = ds.map_batches(
+        PlanStage(config.plan, config.sampling, keep, collector),
+        batch_format="pyarrow",
+        batch_size=None,  # a whole partition: groups inside it are complete
+        num_cpus=compute.task_num_cpus,
+    )
+    # One shard per block, so one actor task is one shard: an actor that dies redoes only it.
+    ds = ds.repartition(target_num_rows_per_block=1)
+    return ds.map_batches(
+        infer_cls,
+        fn_constructor_kwargs=dict(
+            engine_config=config.engine,
+            sampling=config.sampling,
+            text_column=config.text_column,
+            keep_columns=keep,
+            torch_threads=compute.torch_threads,
+        ),
+        batch_format="pyarrow",
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=compute.num_actors),
+        **engine_actor_args(config),
+    )
+
+
+def engine_actor_args(config: JobConfig) -> dict:
+    """Resources and restart policy of an engine actor: a GPU each when the cluster has GPUs
+    (or as configured), else a fraction of a CPU; plus any custom resources."""
+    import ray
+
+    compute = config.compute
+    gpus = compute.num_gpus_per_actor
+    if gpus is None:
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    args: dict = dict(
+        num_cpus=compute.num_cpus_per_actor,
+        num_gpus=gpus,
+        max_restarts=compute.max_restarts,
+        max_task_retries=compute.max_restarts,
+    )
+    if compute.resources:
+        args["resources"] = dict(compute.resources)
+    return args
+
+
+def run_job(config: JobConfig, *, infer_cls: type[InferStage] = InferStage) -> Summary:
+    """Run the whole job into `config.output` (resuming what is there) and report."""
+    import ray
+
+    started = time.perf_counter()
+    prepared = prepare(config)
+    state = scan_output(config.output)
+    Path(config.output).mkdir(parents=True, exist_ok=True)
+    before = {str(p) for p in data_files(config.output)}
+    collector = ray.remote(num_cpus=0)(StatsCollector).remote()
+    try:
+        ds = build_dataset(config, prepared, state.done_ids, collector, infer_cls)
+        ds.write_parquet(config.output, ray_remote_args={"num_cpus": config.compute.task_num_cpus})
+        plan = ray.get(collector.plan_total.remote())
+    finally:
+        ray.kill(collector)
+    written = [p for p in data_files(config.output) if str(p) not in before]
+    summary, distributions = summarize(
+        config.output, written, plan, time.perf_counter() - started, len(state.done_ids)
+    )
+    write_report(config.output, summary, distributions)
+    logger.info("summary: %s", summary.log_line())
+    return summary
+
+
+def _input_bytes(source: InputSource) -> int:
+    total = 0
+    for path in source.paths:
+        if os.path.isdir(path):
+            total += sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+        else:
+            total += os.path.getsize(path)
+    return total

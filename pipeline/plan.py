@@ -1,0 +1,322 @@
+"""The planner: prefix groups inside one shuffle partition, their order, and shards.
+
+After the shuffle by prefix key, every row that can share a prefix with another is in the
+same partition. Here each key's rows go through `packing.group_prefixes`, the groups are
+ordered by `packing.order_groups`, and cut into shards: whole groups up to a row and token
+limit, so a group is never split between engine actors, unless it alone is over the limit,
+when its parts each repeat the prefix (logged). Rows without a shared prefix are packed into
+the same shards, so the engine always sees many sequences at once.
+
+The output is one row per shard with list columns (the members in shard order) and the group
+structure (`group_sizes`, `group_prefix_lens`); the engine actor consumes whole shard rows, so
+batching cannot cut a group either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from actors.config import SamplingParams
+from pipeline import stage
+from pipeline.config import PlanConfig
+from pipeline.stage import Stage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    """Rows (indices into the partition) computed together, sharing `prefix_len` tokens."""
+
+    prefix_len: int
+    rows: tuple[int, ...]
+
+
+@dataclass
+class PlanStats:
+    """What the planner did to one partition (summed over partitions for the report)."""
+
+    rows: int = 0
+    error_rows: int = 0
+    duplicate_rows: int = 0  # same id seen twice: generated once
+    prompt_tokens: int = 0
+    planned_saved_tokens: int = 0  # prefix tokens the groups compute once instead of n times
+    optimal_saved_tokens: int = 0  # the radix-tree optimum for the same rows
+    num_shards: int = 0
+    split_groups: int = 0
+    share_degrees: Counter[int] = field(default_factory=Counter)  # group size -> groups
+
+    def merge(self, other: PlanStats) -> None:
+        """Add another partition's counts to these."""
+        for name in (
+            "rows",
+            "error_rows",
+            "duplicate_rows",
+            "prompt_tokens",
+            "planned_saved_tokens",
+            "optimal_saved_tokens",
+            "num_shards",
+            "split_groups",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.share_degrees.update(other.share_degrees)
+
+
+def group_rows(
+    token_ids: Sequence[Sequence[int]], keys: Sequence[int | None], grouping: bool
+) -> list[PlannedGroup]:
+    """Prefix groups over valid rows: `packing.group_prefixes` inside each prefix key; rows
+    with no key (or with grouping off) are groups of one."""
+    from packing import group_prefixes
+
+    by_key: dict[int, list[int]] = {}
+    groups: list[PlannedGroup] = []
+    for i, key in enumerate(keys):
+        if grouping and key is not None:
+            by_key.setdefault(key, []).append(i)
+        else:
+            groups.append(PlannedGroup(0, (i,)))
+    for members in by_key.values():
+        if len(members) == 1:
+            groups.append(PlannedGroup(0, (members[0],)))
+            continue
+        covered: set[int] = set()
+        for g in group_prefixes([list(token_ids[i]) for i in members]):
+            rows = tuple(members[m] for m in g.members)
+            covered.update(rows)
+            groups.append(PlannedGroup(int(g.prefix_len) if len(rows) > 1 else 0, rows))
+        groups.extend(PlannedGroup(0, (i,)) for i in members if i not in covered)
+    return groups
+
+
+def order(
+    groups: Sequence[PlannedGroup], prompt_lens: Sequence[int], decode_lens: Sequence[int]
+) -> list[PlannedGroup]:
+    """Groups in `packing.order_groups` order (BatchLLM: by decode-to-prefill ratio)."""
+    from packing import PrefixGroup, order_groups
+
+    as_packing = [PrefixGroup(g.prefix_len, g.rows) for g in groups]
+    return [groups[i] for i in order_groups(as_packing, list(prompt_lens), list(decode_lens))]
+
+
+def group_tokens(group: PlannedGroup, prompt_lens: Sequence[int]) -> int:
+    """Prompt tokens a group computes: its prefix once, then each member's rest."""
+    return sum(prompt_lens[r] for r in group.rows) - group.prefix_len * (len(group.rows) - 1)
+
+
+def cut_shards(
+    groups: Sequence[PlannedGroup], prompt_lens: Sequence[int], max_rows: int, max_tokens: int
+) -> tuple[list[list[PlannedGroup]], int]:
+    """Shards of whole groups in the given order, each within `max_rows` rows and
+    `max_tokens` prompt tokens; a group over either limit alone is split into parts that each
+    repeat its prefix. Returns the shards and how many groups were split."""
+    shards: list[list[PlannedGroup]] = []
+    current: list[PlannedGroup] = []
+    rows = tokens = 0
+    split = 0
+    for group in groups:
+        parts = [group]
+        if len(group.rows) > max_rows or group_tokens(group, prompt_lens) > max_tokens:
+            parts = _split(group, prompt_lens, max_rows, max_tokens)
+            if len(parts) > 1:
+                split += 1
+                logger.info(
+                    "prefix group of %d rows (prefix %d tokens) is over a shard's limit "
+                    "(%d rows, %d tokens): split into %d shards, the prefix computed in each",
+                    len(group.rows),
+                    group.prefix_len,
+                    max_rows,
+                    max_tokens,
+                    len(parts),
+                )
+        for part in parts:
+            cost = group_tokens(part, prompt_lens)
+            if current and (rows + len(part.rows) > max_rows or tokens + cost > max_tokens):
+                shards.append(current)
+                current, rows, tokens = [], 0, 0
+            current.append(part)
+            rows += len(part.rows)
+            tokens += cost
+    if current:
+        shards.append(current)
+    return shards, split
+
+
+def _split(
+    group: PlannedGroup, prompt_lens: Sequence[int], max_rows: int, max_tokens: int
+) -> list[PlannedGroup]:
+    parts: list[PlannedGroup] = []
+    current: list[int] = []
+    tokens = group.prefix_len
+    for r in group.rows:
+        rest = prompt_lens[r] - group.prefix_len
+        if current and (len(current) + 1 > max_rows or tokens + rest > max_tokens):
+            parts.append(PlannedGroup(group.prefix_len, tuple(current)))
+            current, tokens = [], group.prefix_len
+        current.append(r)
+        tokens += rest
+    parts.append(PlannedGroup(group.prefix_len, tuple(current)))
+    # A part of one row shares nothing.
+    return [p if len(p.rows) > 1 else PlannedGroup(0, p.rows) for p in parts]
+
+
+def plan_partition(
+    table: pa.Table, config: PlanConfig, sampling: SamplingParams, keep_columns: Sequence[str]
+) -> tuple[pa.Table, PlanStats]:
+    """One shuffle partition of tokenized rows -> one row per shard, and what was planned."""
+    stats = PlanStats()
+    ids = table.column(stage.ID).to_pylist()
+    seen: set[str] = set()
+    unique: list[int] = []
+    for i, row_id in enumerate(ids):
+        if row_id not in seen:
+            seen.add(row_id)
+            unique.append(i)
+    stats.duplicate_rows = len(ids) - len(unique)
+    if stats.duplicate_rows:
+        logger.warning("%d rows repeat an id seen before: generated once", stats.duplicate_rows)
+        table = table.take(unique)
+
+    errors = table.column(stage.ERROR).to_pylist()
+    valid = [i for i, e in enumerate(errors) if e is None]
+    failed = [i for i, e in enumerate(errors) if e is not None]
+    token_ids = table.column(stage.PROMPT_TOKEN_IDS).to_pylist()
+    lens = table.column(stage.NUM_PROMPT_TOKENS).to_pylist()
+    keys = table.column(stage.PREFIX_KEY).to_pylist()
+    decode = _decode_lens(table.column(stage.SAMPLING).to_pylist(), sampling)
+
+    groups = group_rows(
+        [token_ids[i] for i in valid], [keys[i] for i in valid], config.prefix_grouping
+    )
+    groups = [PlannedGroup(g.prefix_len, tuple(valid[r] for r in g.rows)) for g in groups]
+    if config.prefix_grouping:
+        groups = order(groups, lens, decode)
+    shards, stats.split_groups = cut_shards(
+        groups, lens, config.max_rows_per_shard, config.max_tokens_per_shard
+    )
+    for start in range(0, len(failed), config.max_rows_per_shard):
+        chunk = failed[start : start + config.max_rows_per_shard]
+        shards.insert(0, [PlannedGroup(0, (r,)) for r in chunk])
+
+    stats.rows = len(unique)
+    stats.error_rows = len(failed)
+    stats.prompt_tokens = sum(lens[i] for i in valid)
+    stats.num_shards = len(shards)
+    for shard in shards:
+        for g in shard:
+            if errors[g.rows[0]] is None:
+                stats.share_degrees[len(g.rows)] += 1
+                stats.planned_saved_tokens += g.prefix_len * (len(g.rows) - 1)
+    if config.prefix_grouping and len(valid) > 1:
+        stats.optimal_saved_tokens = optimal_saved_tokens([token_ids[i] for i in valid])
+    return _shard_table(table, shards, keep_columns), stats
+
+
+def optimal_saved_tokens(token_ids: Sequence[Sequence[int]]) -> int:
+    """Prompt tokens the best possible prefix sharing saves on these rows (packing's optimum)."""
+    from packing import optimal_saving_ratio
+
+    total = sum(len(t) for t in token_ids)
+    return round(optimal_saving_ratio([list(t) for t in token_ids]) * total)
+
+
+def _decode_lens(sampling: Sequence[str | None], defaults: SamplingParams) -> list[int]:
+    lens = []
+    for text in sampling:
+        overrides = json.loads(text) if text else {}
+        lens.append(int(overrides.get("max_tokens", defaults.max_tokens)))
+    return lens
+
+
+def _shard_table(
+    table: pa.Table, shards: Sequence[Sequence[PlannedGroup]], keep_columns: Sequence[str]
+) -> pa.Table:
+    order_ = [r for shard in shards for g in shard for r in g.rows]
+    offsets = [0]
+    for shard in shards:
+        offsets.append(offsets[-1] + sum(len(g.rows) for g in shard))
+    offsets_arr = pa.array(offsets, pa.int32())
+    taken = table.take(order_) if order_ else table.slice(0, 0)
+    ids = taken.column(stage.ID).to_pylist()
+    columns = {
+        stage.SHARD: pa.array(
+            [_shard_id(ids[offsets[s] : offsets[s + 1]]) for s in range(len(shards))], pa.string()
+        ),
+    }
+    for name in (
+        stage.ID,
+        *keep_columns,
+        stage.PROMPT_TOKEN_IDS,
+        stage.NUM_PROMPT_TOKENS,
+        stage.SAMPLING,
+        stage.ERROR,
+    ):
+        values = taken.column(name).combine_chunks()
+        columns[name] = pa.ListArray.from_arrays(offsets_arr, values)
+    columns[stage.GROUP_SIZES] = pa.array(
+        [[len(g.rows) for g in shard] for shard in shards], pa.list_(pa.int32())
+    )
+    columns[stage.GROUP_PREFIX_LENS] = pa.array(
+        [[g.prefix_len for g in shard] for shard in shards], pa.list_(pa.int32())
+    )
+    return pa.table(columns)
+
+
+def _shard_id(ids: Sequence[str]) -> str:
+    # Deterministic, so a retried plan task names its shards the same way.
+    return hashlib.sha1("\0".join(ids).encode()).hexdigest()[:12]
+
+
+class PlanStage(Stage):
+    """Ray Data UDF over one whole shuffle partition (batch_size=None): shard rows out; the
+    partition's PlanStats go to `collector` (a Ray actor handle) when one is given."""
+
+    name = "plan"
+
+    def __init__(
+        self,
+        config: PlanConfig,
+        sampling: SamplingParams,
+        keep_columns: Sequence[str] = (),
+        collector=None,  # noqa: ANN001 (ray.actor.ActorHandle of pipeline.report.StatsCollector)
+    ):
+        self.config = config
+        self.sampling = sampling
+        self.keep_columns = tuple(keep_columns)
+        self.collector = collector
+
+    def required_columns(self) -> tuple[str, ...]:
+        return (
+            stage.ID,
+            *self.keep_columns,
+            stage.PROMPT_TOKEN_IDS,
+            stage.NUM_PROMPT_TOKENS,
+            stage.SAMPLING,
+            stage.ERROR,
+            stage.PREFIX_KEY,
+        )
+
+    def process(self, batch: pa.Table) -> pa.Table:
+        shards, stats = plan_partition(batch, self.config, self.sampling, self.keep_columns)
+        if self.collector is not None and batch.num_rows:
+            import ray
+
+            # Keyed by the partition's shard ids so a retried task replaces, not adds.
+            key = _shard_id(shards.column(stage.SHARD).to_pylist())
+            ray.get(self.collector.record_plan.remote(key, stats))
+        logger.info(
+            "planned %d rows into %d shards: %d prefix groups shared, %d tokens saved of %d",
+            stats.rows,
+            stats.num_shards,
+            sum(n for d, n in stats.share_degrees.items() if d > 1),
+            stats.planned_saved_tokens,
+            stats.prompt_tokens,
+        )
+        return shards

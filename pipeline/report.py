@@ -1,0 +1,195 @@
+"""The end-of-job report: one summary (logged, and `_summary.json` in the output folder) and a
+PNG (`_report.png`): prompt lengths, share degrees, padding avoided.
+
+Both come from the small numeric columns of the files this run wrote, read back after the
+write (never from rows collected on the driver), plus the planner's counts, which the plan
+tasks send to a `StatsCollector` actor. Report files start with `_` so Parquet readers of the
+folder (pyarrow, Ray Data, Spark) skip them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pipeline import stage
+from pipeline.plan import PlanStats
+
+logger = logging.getLogger(__name__)
+
+SUMMARY_FILE = "_summary.json"
+REPORT_FILE = "_report.png"
+
+
+class StatsCollector:
+    """Sums the plan stats of all partitions (a Ray actor: `ray.remote(StatsCollector)`).
+
+    Keyed by partition, so a plan task that Ray retries replaces its earlier record.
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[str, PlanStats] = {}
+
+    def record_plan(self, key: str, stats: PlanStats) -> None:
+        """Store one partition's plan stats."""
+        self._plans[key] = stats
+
+    def plan_total(self) -> PlanStats:
+        """All partitions' plan stats added up."""
+        total = PlanStats()
+        for stats in self._plans.values():
+            total.merge(stats)
+        return total
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What one run did. Token counts are over rows without an error."""
+
+    output: str
+    rows: int  # written by this run
+    rows_skipped: int  # already in the output folder before this run
+    error_rows: int
+    prompt_tokens: int
+    cached_prompt_tokens: int  # served from a shared prefix instead of computed
+    generated_tokens: int
+    wall_time_s: float
+    rows_per_s: float
+    generated_tokens_per_s: float
+    tokens_per_s: float  # prompt + generated
+    prefix_saving_ratio: float  # cached / prompt tokens, as the engines report it
+    planned_saving_ratio: float  # what the plan's prefix groups share
+    optimal_saving_ratio: float  # the best any prefix sharing could do on these rows
+    saving_vs_optimum: float | None  # prefix_saving_ratio / optimal_saving_ratio
+    num_shards: int
+    num_shared_groups: int  # prefix groups of two rows or more
+    max_share_degree: int
+    split_groups: int  # groups over a shard's limit, split with the prefix repeated
+    duplicate_rows: int
+    padding_avoided_tokens: int  # a padded batch per shard would have computed these too
+
+    def log_line(self) -> str:
+        """The one-line summary."""
+        vs = f"{self.saving_vs_optimum:.1%} of optimum" if self.saving_vs_optimum else "n/a"
+        return (
+            f"{self.rows} rows ({self.error_rows} errors, {self.rows_skipped} already done) in "
+            f"{self.wall_time_s:.1f}s: {self.prompt_tokens} prompt + {self.generated_tokens} "
+            f"generated tokens, {self.generated_tokens_per_s:.1f} generated tok/s, "
+            f"{self.tokens_per_s:.1f} tok/s; prefix saving {self.prefix_saving_ratio:.1%} "
+            f"(planned {self.planned_saving_ratio:.1%}, optimum {self.optimal_saving_ratio:.1%}, "
+            f"{vs}); {self.num_shards} shards, {self.num_shared_groups} shared groups"
+        )
+
+
+_COLUMNS = [
+    stage.NUM_PROMPT_TOKENS,
+    stage.NUM_CACHED_TOKENS,
+    stage.NUM_GENERATED_TOKENS,
+    stage.ERROR,
+    stage.SHARD,
+    stage.PREFIX_GROUP,
+]
+
+
+def summarize(
+    output: str,
+    files: Sequence[str | Path],
+    plan: PlanStats,
+    wall_time_s: float,
+    rows_skipped: int,
+) -> tuple[Summary, dict[str, list[int]]]:
+    """The summary of the rows in `files`, and the distributions the PNG draws."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = [pq.read_table(f, columns=_COLUMNS) for f in files]
+    rows = pa.concat_tables(tables).to_pydict() if tables else {c: [] for c in _COLUMNS}
+    ok = [i for i, e in enumerate(rows[stage.ERROR]) if e is None]
+    prompt_lens = [rows[stage.NUM_PROMPT_TOKENS][i] for i in ok]
+    prompt = sum(prompt_lens)
+    cached = sum(rows[stage.NUM_CACHED_TOKENS][i] for i in ok)
+    generated = sum(rows[stage.NUM_GENERATED_TOKENS][i] for i in ok)
+    group_sizes = Counter(rows[stage.PREFIX_GROUP][i] for i in ok)
+    degrees = sorted(group_sizes.values())
+    by_shard: dict[str, list[int]] = {}
+    for i in ok:
+        by_shard.setdefault(rows[stage.SHARD][i], []).append(rows[stage.NUM_PROMPT_TOKENS][i])
+    padded = sum(max(lens) * len(lens) for lens in by_shard.values())
+    n = len(rows[stage.ERROR])
+    wall = max(wall_time_s, 1e-9)
+    achieved = cached / prompt if prompt else 0.0
+    optimal = plan.optimal_saved_tokens / plan.prompt_tokens if plan.prompt_tokens else 0.0
+    summary = Summary(
+        output=str(output),
+        rows=n,
+        rows_skipped=rows_skipped,
+        error_rows=n - len(ok),
+        prompt_tokens=prompt,
+        cached_prompt_tokens=cached,
+        generated_tokens=generated,
+        wall_time_s=round(wall_time_s, 3),
+        rows_per_s=round(n / wall, 3),
+        generated_tokens_per_s=round(generated / wall, 3),
+        tokens_per_s=round((prompt + generated) / wall, 3),
+        prefix_saving_ratio=round(achieved, 5),
+        planned_saving_ratio=round(
+            plan.planned_saved_tokens / plan.prompt_tokens if plan.prompt_tokens else 0.0, 5
+        ),
+        optimal_saving_ratio=round(optimal, 5),
+        saving_vs_optimum=round(achieved / optimal, 5) if optimal > 0 else None,
+        num_shards=len({*rows[stage.SHARD]}),
+        num_shared_groups=sum(1 for d in degrees if d > 1),
+        max_share_degree=max(degrees, default=0),
+        split_groups=plan.split_groups,
+        duplicate_rows=plan.duplicate_rows,
+        padding_avoided_tokens=padded - prompt,
+    )
+    distributions = {
+        "prompt_lens": prompt_lens,
+        "share_degrees": degrees,
+        "tokens": [padded, prompt, prompt - cached],
+    }
+    return summary, distributions
+
+
+def write_report(output: str | Path, summary: Summary, distributions: dict[str, list[int]]) -> None:
+    """`_summary.json` and `_report.png` in the output folder."""
+    folder = Path(output)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=2) + "\n")
+    plot(distributions, folder / REPORT_FILE)
+
+
+def plot(distributions: dict[str, list[int]], path: Path) -> None:
+    """Three panels: prompt-length histogram, share-degree distribution, padding avoided."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (lens_ax, share_ax, pad_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
+    lens_ax.hist(distributions["prompt_lens"] or [0], bins=40, color="#4477aa")
+    lens_ax.set(title="Prompt lengths", xlabel="prompt tokens", ylabel="rows")
+
+    degrees = Counter(distributions["share_degrees"])
+    xs = sorted(degrees)
+    share_ax.bar([str(x) for x in xs], [degrees[x] * x for x in xs], color="#228833")
+    share_ax.set(title="Share degree", xlabel="rows sharing one prefix", ylabel="rows")
+
+    padded, packed, computed = distributions["tokens"]
+    bars = pad_ax.bar(
+        ["padded batches", "packed", "packed, prefix once"],
+        [padded, packed, computed],
+        color=["#bbbbbb", "#4477aa", "#228833"],
+    )
+    pad_ax.bar_label(bars, fmt="%d")
+    pad_ax.set(
+        title=f"Prompt tokens computed (padding avoided: {padded - packed})", ylabel="tokens"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,97 @@
+"""Finding inputs and their columns, and reading back what an output folder holds (no Ray)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import InputConfig
+from pipeline.read import check_columns, input_columns, resolve_input
+from pipeline.resume import data_files, scan_output
+
+
+def _columns(config: InputConfig) -> list[str]:
+    return input_columns(resolve_input(config), config.hf_split)
+
+
+def test_parquet_file_folder_and_glob(tmp_path):
+    for i in range(2):
+        pq.write_table(pa.table({"id": [i], "text": ["x"]}), tmp_path / f"part-{i}.parquet")
+    (tmp_path / "_summary.json").write_text("{}")
+    assert resolve_input(InputConfig(str(tmp_path))).paths == tuple(
+        str(tmp_path / f"part-{i}.parquet") for i in range(2)
+    )
+    source = resolve_input(InputConfig(str(tmp_path / "part-*.parquet")))
+    assert source.format == "parquet" and len(source.paths) == 2
+    assert _columns(InputConfig(str(tmp_path / "part-0.parquet"))) == ["id", "text"]
+
+
+def test_jsonl_gz_csv_and_hf_columns(tmp_path):
+    path = tmp_path / "rows.jsonl.gz"
+    with gzip.open(path, "wt") as fh:
+        fh.write(json.dumps({"a": 1}) + "\n" + json.dumps({"a": 2, "b": "x"}) + "\n")
+    assert resolve_input(InputConfig(str(path))).format == "jsonl"
+    assert _columns(InputConfig(str(path))) == ["a", "b"]
+    (tmp_path / "t.csv").write_text("q,doc\n1,2\n")
+    assert _columns(InputConfig(str(tmp_path / "t.csv"))) == ["q", "doc"]
+
+    import datasets
+
+    datasets.Dataset.from_dict({"prompt": ["a"], "n": [1]}).save_to_disk(str(tmp_path / "hf"))
+    source = resolve_input(InputConfig(str(tmp_path / "hf")))
+    assert source.format == "hf"
+    assert _columns(InputConfig(str(tmp_path / "hf"))) == ["prompt", "n"]
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"p": ["a"]})})
+    dd.save_to_disk(str(tmp_path / "hfdict"))
+    assert _columns(InputConfig(str(tmp_path / "hfdict"))) == ["p"]
+    with pytest.raises(ValueError, match="no split 'test'"):
+        _columns(InputConfig(str(tmp_path / "hfdict"), hf_split="test"))
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("missing.parquet", "does not exist"),
+        ("nothing-*.parquet", "matches no files"),
+        ("empty", "holds no .parquet"),
+        ("notes.txt", "cannot tell the format"),
+    ],
+)
+def test_bad_paths_fail_with_a_message(tmp_path, path, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ValueError, match=message):
+        resolve_input(InputConfig(str(tmp_path / path)))
+
+
+def test_missing_column_names_the_existing_ones():
+    with pytest.raises(
+        ValueError, match=r"no column 'query' \(used by the template\).*\['doc', 'id'\]"
+    ):
+        check_columns(["doc", "id"], {"doc": "x", "query": "used by the template"}, "in.parquet")
+
+
+def test_scan_output_reads_ids_and_removes_cut_files(tmp_path):
+    assert scan_output(tmp_path / "nothing-yet").done_ids == frozenset()
+    pq.write_table(pa.table({"id": ["a", "b"], "x": [1, 2]}), tmp_path / "w1_000000-0.parquet")
+    pq.write_table(pa.table({"id": ["c"], "x": [3]}), tmp_path / "w1_000001-0.parquet")
+    whole = (tmp_path / "w1_000001-0.parquet").read_bytes()
+    (tmp_path / "w1_000002-0.parquet").write_bytes(whole[: len(whole) // 2])  # a killed write
+    (tmp_path / "_summary.json").write_text("{}")
+    state = scan_output(tmp_path)
+    assert state.done_ids == {"a", "b", "c"}
+    assert [p.rsplit("/", 1)[1] for p in state.removed] == ["w1_000002-0.parquet"]
+    assert len(data_files(tmp_path)) == 2
+
+
+def test_scan_output_refuses_a_foreign_folder(tmp_path):
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "data.parquet")
+    with pytest.raises(ValueError, match="not this job's output"):
+        scan_output(tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a folder"):
+        scan_output(tmp_path / "file")
