@@ -90,8 +90,10 @@ def build_metadata(
     slots = tensor(slot_mapping)
     if device.type == "cuda":
         key_slots = np.concatenate(
-            [token_slots(t, int(c + n), block_size) for t, c, n in
-             zip(block_tables, num_cached, num_new, strict=True)]
+            [
+                token_slots(t, int(c + n), block_size)
+                for t, c, n in zip(block_tables, num_cached, num_new, strict=True)
+            ]
         )
         cu_k = np.concatenate([[0], np.cumsum(num_cached + num_new)])
         varlen = VarlenInputs(
@@ -168,8 +170,12 @@ def paged_attention(
         k = k_cache.index_select(0, dec.block_ids).view(dec.size, seq, num_kv_heads, head_dim)
         v = v_cache.index_select(0, dec.block_ids).view(dec.size, seq, num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=dec.key_mask,
-            scale=scaling, enable_gqa=True,
+            q,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=dec.key_mask,
+            scale=scaling,
+            enable_gqa=True,
         )  # [B, heads, 1, dim]
         out[: dec.size] = o.squeeze(2)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
@@ -183,9 +189,13 @@ def paged_attention(
             k = k_flat.index_select(0, seg.key_slots).transpose(0, 1).unsqueeze(0)
             v = v_flat.index_select(0, seg.key_slots).transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=seg.mask,
+            q,
+            k,
+            v,
+            attn_mask=seg.mask,
             is_causal=seg.key_slots is None and seg.q_end - seg.q_start > 1,
-            scale=scaling, enable_gqa=True,
+            scale=scaling,
+            enable_gqa=True,
         )  # [1, heads, n, dim]
         out[seg.q_start : seg.q_end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
@@ -207,9 +217,16 @@ def _varlen_attention(
     v = v_cache.view(-1, kv_heads, dim).index_select(0, inputs.key_slots)
     q = query[0].transpose(0, 1).contiguous()  # [tokens, heads, dim]
     out = varlen_attn(
-        q, k, v, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
-        inputs.max_seqlen_q, inputs.max_seqlen_k,
-        scale=scaling, window_size=(-1, 0), enable_gqa=True,
+        q,
+        k,
+        v,
+        inputs.cu_seqlens_q,
+        inputs.cu_seqlens_k,
+        inputs.max_seqlen_q,
+        inputs.max_seqlen_k,
+        scale=scaling,
+        window_size=(-1, 0),
+        enable_gqa=True,
     )
     return out.unsqueeze(0)  # [1, tokens, heads, dim]
 

@@ -29,7 +29,9 @@ class Detokenizer:
         """Decode the request's newest tokens, append them to `request.text`, return them."""
         ids = request.token_ids
         decode = self.tokenizer.decode
-        prefix_text = decode(ids[request.prefix_offset : request.read_offset], skip_special_tokens=True)
+        prefix_text = decode(
+            ids[request.prefix_offset : request.read_offset], skip_special_tokens=True
+        )
         full_text = decode(ids[request.prefix_offset :], skip_special_tokens=True)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""

@@ -65,7 +65,10 @@ class LLMEngine:
         self._stats = _StepStats()
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, budget %d tokens/step",
-            num_blocks, config.block_size, self.max_model_len, config.max_num_batched_tokens,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            config.max_num_batched_tokens,
         )
 
     # ---- requests -------------------------------------------------------------------------
@@ -111,7 +114,9 @@ class LLMEngine:
         self.scheduler.update_after_step(sched)
         sampled = self.sampler(logits, sampling)
         finished: dict[FinishReason, list[Request]] = {}
-        for req, token_id, logprob in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
+        for req, token_id, logprob in zip(
+            sampling, sampled.token_ids, sampled.logprobs, strict=True
+        ):
             reason = self._append(req, token_id, logprob)
             if reason is not None:
                 finished.setdefault(reason, []).append(req)
@@ -273,8 +278,13 @@ class _StepStats:
             logger.info(
                 "step %d: %.0f tokens/s over the last %d steps, running %d, waiting %d, "
                 "KV usage %.0f%%, preemptions %d",
-                self.steps, self.tokens / max(self.seconds, 1e-9), LOG_EVERY_STEPS,
-                len(s.running), len(s.waiting), 100 * engine.kv.usage, s.num_preemptions,
+                self.steps,
+                self.tokens / max(self.seconds, 1e-9),
+                LOG_EVERY_STEPS,
+                len(s.running),
+                len(s.waiting),
+                100 * engine.kv.usage,
+                s.num_preemptions,
             )
             self.tokens, self.seconds = 0, 0.0
 

@@ -57,8 +57,13 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         num_layers, num_kv_heads, head_dim = model_geometry(model)
         self.kv_caches = allocate_kv_tensors(
-            num_layers, num_blocks, self.block_size, num_kv_heads, head_dim,
-            self.dtype, self.device,
+            num_layers,
+            num_blocks,
+            self.block_size,
+            num_kv_heads,
+            head_dim,
+            self.dtype,
+            self.device,
         )
         attention.register()
         model.set_attn_implementation(attention.ATTN_NAME)
@@ -83,8 +88,15 @@ class ModelRunner:
                 sampling.append(req)
                 rows.append(int(layout.cu_seqlens_q[i + 1]) - 1)
         meta = attention.build_metadata(
-            self.kv_caches, num_cached, num_new, tables, slots, layout.cu_seqlens_q,
-            self.block_size, len(decodes), self.device,
+            self.kv_caches,
+            num_cached,
+            num_new,
+            tables,
+            slots,
+            layout.cu_seqlens_q,
+            self.block_size,
+            len(decodes),
+            self.device,
         )
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device)[None],

@@ -88,7 +88,9 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Set logits outside each row's top-k and top-p nucleus to -inf.
 
     `logits` `[rows, vocab]`; `top_k` `[rows]` (vocab = off); `top_p` `[rows]` (1 = off).

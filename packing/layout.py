@@ -120,8 +120,9 @@ def slot_mapping(
     layout = flat_layout(num_cached, num_new)
     new = _as_counts("num_new", num_new)
     if len(block_tables) != new.size:
-        raise ValueError(f"need one block table per segment: {new.size} segments, "
-                         f"{len(block_tables)} tables")
+        raise ValueError(
+            f"need one block table per segment: {new.size} segments, {len(block_tables)} tables"
+        )
     cached = _as_counts("num_cached", num_cached)
     for i, table in enumerate(block_tables):
         needed = -(-int(cached[i] + new[i]) // block_size)

@@ -6,7 +6,15 @@ import pytest
 
 from actors import EngineConfig, LLMEngine
 from actors.loader import load_tokenizer
+from tests.actors.reference import torch_threads
 from tests.tiny_models import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run fastest on one thread (no OpenMP hand-offs), also on a busy machine."""
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="session")

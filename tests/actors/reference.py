@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 ALPACA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "alpaca_5000.json"
 TIE_GAP = 1e-4  # a top-2 logit gap below this is a floating-point tie, not an engine bug
+
+
+@contextmanager
+def torch_threads(num: int) -> Iterator[None]:
+    """Run a block with `num` torch threads (tiny models: 1 beats 2, above all on a busy box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @torch.inference_mode()

@@ -18,9 +18,7 @@ from packing.layout import (
     token_slots,
 )
 
-segments = st.lists(
-    st.tuples(st.integers(0, 40), st.integers(0, 20)), min_size=0, max_size=12
-)
+segments = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 20)), min_size=0, max_size=12)
 
 
 @given(segments)
