@@ -1,0 +1,153 @@
+"""The Ray Serve deployment: a FastAPI ingress over one engine, its staging queue and step loop.
+
+`build_app(config)` gives a Serve application; `serve.run(build_app(config))` serves
+POST /v1/completions, POST /v1/chat/completions, GET /v1/models and GET /health.
+The FastAPI app is built per replica (`__serve_build_asgi_app__`), around that replica's engine,
+so nothing lives at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.deployment import Application
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pipeline.serve.auth import check_api_key, load_api_keys
+from pipeline.serve.config import ServeConfig
+from pipeline.serve.errors import APIError
+from pipeline.serve.metrics import ServeMetrics
+from pipeline.serve.protocol import HealthResponse
+from pipeline.serve.service import OpenAIService
+from pipeline.serve.staging import EngineLoop
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = None) -> FastAPI:
+    """The FastAPI app over one service. `metrics` (a ServeMetrics) counts rejected requests."""
+    api = FastAPI(
+        title="raypack", summary="OpenAI-compatible serving", docs_url=None, redoc_url=None
+    )
+    max_body = service.config.max_body_bytes
+
+    @api.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        if metrics is not None:
+            metrics.record_rejected(exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        error = APIError(exc.status_code, str(exc.detail), code="not_found")
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    async def authorized_body(request: Request) -> bytes:
+        check_api_key(request.headers.get("authorization"), api_keys)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body:
+            raise _too_large(int(declared), max_body)
+        body = bytearray()
+        async for piece in request.stream():  # a body without a length is cut off at the limit
+            body.extend(piece)
+            if len(body) > max_body:
+                raise _too_large(len(body), max_body)
+        return bytes(body)
+
+    @api.get("/health")
+    async def health() -> HealthResponse:
+        if not service.loop.alive:
+            raise APIError(503, "the engine loop is not running", type="server_error")
+        return HealthResponse(
+            waiting=service.loop.num_waiting,
+            running=service.loop.num_running,
+            threshold=service.loop.controller.threshold,
+            aborted=service.loop.num_aborted,
+        )
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_api_key(request.headers.get("authorization"), api_keys)
+        return JSONResponse(service.models().model_dump())
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        prepared = service.prepare_completion(await authorized_body(request))
+        return await _answer(service, prepared)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        prepared = service.prepare_chat(await authorized_body(request))
+        return await _answer(service, prepared)
+
+    return api
+
+
+async def _answer(service: OpenAIService, prepared: Any) -> Response:
+    stream = service.submit(prepared)
+    if prepared.stream:
+        return StreamingResponse(
+            service.events(prepared, stream), media_type="text/event-stream", headers=_SSE_HEADERS
+        )
+    body = await service.respond(prepared, stream)
+    return JSONResponse(body.model_dump())
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(
+        413, f"the request body has {size} bytes; the limit is {limit}", code="body_too_large"
+    )
+
+
+@serve.deployment(name="raypack-openai", max_ongoing_requests=512, health_check_timeout_s=60)
+@serve.ingress()
+class OpenAIDeployment:
+    """One replica: an engine, its staging queue and admission controller, and the HTTP API."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        from actors import LLMEngine  # torch loads in the replica, not in the driver
+
+        self._config = config
+        self._engine = LLMEngine(config.engine)
+        self._api_keys = load_api_keys(config.api_keys_env, config.api_keys_file)
+        self._metrics = ServeMetrics()
+        self._loop: EngineLoop | None = None
+        logger.info("serving %s (max_model_len %d)", config.model_name, self._engine.max_model_len)
+
+    async def __serve_build_asgi_app__(self) -> FastAPI:
+        """Start the step loop on the replica's event loop and build the API around it."""
+        self._loop = EngineLoop(
+            self._engine,
+            self._config.admission,
+            max_waiting=self._config.max_waiting,
+            metrics=self._metrics,
+        )
+        self._loop.start()
+        service = OpenAIService(
+            self._config,
+            self._loop,
+            self._engine.tokenizer,
+            self._engine.max_model_len,
+            self._engine.vocab_size,
+        )
+        return create_api(service, self._api_keys, self._metrics)
+
+    def check_health(self) -> None:
+        """Serve's health check: the step loop must be running."""
+        if self._loop is not None and not self._loop.alive:
+            raise RuntimeError("the engine step loop stopped")
+
+
+def build_app(config: ServeConfig) -> Application:
+    """The Serve application for `config` (one replica owning one engine)."""
+    deployment = OpenAIDeployment.options(
+        max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.num_cpus},
+    )
+    return deployment.bind(config)

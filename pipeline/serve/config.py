@@ -1,0 +1,66 @@
+"""Settings of one serving replica: the engine, the admission rule and the protective limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from actors import EngineConfig
+from packing.admission import AdmissionConfig
+
+API_KEYS_ENV = "RAYPACK_API_KEYS"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What one replica serves and how it protects itself. Validated once, here."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # The name clients pass as `model`; None: the engine's model name (its folder's name).
+    served_model_name: str | None = None
+    # Requests waiting in the staging queue at most; one more is answered 429.
+    max_waiting: int = 256
+    # Seconds a client is told to wait (Retry-After) when the queue is full.
+    retry_after_s: int = 1
+    # Largest request body accepted, in bytes (413 beyond).
+    max_body_bytes: int = 1 << 20
+    # Prompt tokens at most; None: the model's context length minus one.
+    max_prompt_tokens: int | None = None
+    # Upper bound on a request's max_tokens.
+    max_tokens_limit: int = 2048
+    # max_tokens of a completion that does not say (OpenAI's default is 16).
+    default_completion_tokens: int = 16
+    # Environment variable holding API keys (comma-separated); unset or empty: no key needed
+    # unless api_keys_file is set.
+    api_keys_env: str | None = API_KEYS_ENV
+    # File with one API key per line ('#' starts a comment).
+    api_keys_file: str | None = None
+    # Requests the deployment accepts at once (Ray Serve's max_ongoing_requests).
+    max_ongoing_requests: int = 512
+    # CPUs reserved for the replica's actor.
+    num_cpus: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting", "max_body_bytes", "max_tokens_limit", "max_ongoing_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if not 1 <= self.default_completion_tokens <= self.max_tokens_limit:
+            raise ValueError(
+                "default_completion_tokens must be in [1, max_tokens_limit="
+                f"{self.max_tokens_limit}], got {self.default_completion_tokens}"
+            )
+        if self.num_cpus < 0:
+            raise ValueError(f"num_cpus must be >= 0, got {self.num_cpus}")
+
+    @property
+    def model_name(self) -> str:
+        """The name served in /v1/models and expected in `model`."""
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.engine.model).name or self.engine.model

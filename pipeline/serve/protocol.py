@@ -1,0 +1,244 @@
+"""OpenAI-compatible request and response bodies (the HTTP edge; pydantic only here).
+
+Requests reject unknown fields and wrong types (strict mode), so a typo is a 400 that names the
+field rather than a silently ignored option. Two vLLM extensions are accepted: `top_k` and
+`ignore_eos`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FinishReason = Literal["stop", "length"]
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    """Options for streamed responses."""
+
+    include_usage: bool = Field(
+        False, description="Send a last chunk with the token usage before `data: [DONE]`."
+    )
+
+
+class _SamplingFields(_Request):
+    """Sampling fields shared by completions and chat completions."""
+
+    model: str = Field(description="The served model's name (see GET /v1/models).")
+    temperature: float | None = Field(
+        None, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy. Default 1."
+    )
+    top_p: float | None = Field(
+        None, gt=0.0, le=1.0, description="Nucleus sampling: keep this probability mass."
+    )
+    top_k: int | None = Field(
+        None, ge=-1, description="vLLM extension: keep the k most likely tokens (0 or -1: all)."
+    )
+    stop: str | list[str] | None = Field(
+        None, description="Up to 4 strings that end generation; they are cut from the text."
+    )
+    seed: int | None = Field(None, description="Seed for sampling; same seed, same tokens.")
+    n: int = Field(1, ge=1, le=1, description="Number of choices; only 1 is supported.")
+    stream: bool = Field(False, description="Stream tokens as server-sent events.")
+    stream_options: StreamOptions | None = Field(
+        None, description="Streaming options (only with stream=true)."
+    )
+    user: str | None = Field(None, description="An end-user id; accepted and ignored.")
+    ignore_eos: bool = Field(
+        False, description="vLLM extension: keep generating past the end-of-sequence token."
+    )
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """The stop strings as a tuple."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="The prompt: text or token ids (a list holding one prompt is accepted)."
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, description="Tokens to generate at most. Default 16."
+    )
+
+
+class TextPart(_Request):
+    """A text part of a chat message's content."""
+
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str = Field(description="The text.")
+
+
+class ChatMessage(_Request):
+    """One chat message."""
+
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="Who wrote the message."
+    )
+    content: str | list[TextPart] = Field(description="The message text, or its text parts.")
+    name: str | None = Field(None, description="An optional participant name; ignored.")
+
+    def text(self) -> str:
+        """The content as one string."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(
+        min_length=1, description="The conversation so far; the model's chat template is applied."
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, description="Tokens to generate at most (deprecated name by OpenAI)."
+    )
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="Tokens to generate at most. Default: the server's limit."
+    )
+
+
+class PromptTokensDetails(BaseModel):
+    """Where the prompt tokens came from."""
+
+    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
+
+
+class Usage(BaseModel):
+    """Token counts of one request."""
+
+    prompt_tokens: int = Field(description="Tokens in the prompt.")
+    completion_tokens: int = Field(description="Tokens generated.")
+    total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
+    prompt_tokens_details: PromptTokensDetails = Field(description="Prefix-cache hits.")
+
+
+class CompletionChoice(BaseModel):
+    """One completion (or, in a stream, its newest text)."""
+
+    index: int = Field(description="The choice's position; always 0 here.")
+    text: str = Field(description="The generated text (in a stream: the new text only).")
+    logprobs: None = Field(None, description="Not supported; always null.")
+    finish_reason: FinishReason | None = Field(
+        description="stop (end of sequence or a stop string) or length; null while streaming."
+    )
+
+
+class CompletionResponse(BaseModel):
+    """The body of a completion, or one streamed chunk of it."""
+
+    id: str = Field(description="The request id (cmpl-...).")
+    object: Literal["text_completion"] = Field("text_completion", description="The type.")
+    created: int = Field(description="Unix time the request arrived.")
+    model: str = Field(description="The served model's name.")
+    choices: list[CompletionChoice] = Field(description="The completions.")
+    usage: Usage | None = Field(None, description="Token counts (null in stream chunks).")
+
+
+class ResponseMessage(BaseModel):
+    """The assistant's message in a chat completion."""
+
+    role: Literal["assistant"] = Field("assistant", description="Always assistant.")
+    content: str = Field(description="The generated text.")
+
+
+class ChatChoice(BaseModel):
+    """One chat completion choice."""
+
+    index: int = Field(description="The choice's position; always 0 here.")
+    message: ResponseMessage = Field(description="The generated message.")
+    logprobs: None = Field(None, description="Not supported; always null.")
+    finish_reason: FinishReason = Field(description="stop or length.")
+
+
+class ChatCompletionResponse(BaseModel):
+    """The body of a chat completion."""
+
+    id: str = Field(description="The request id (chatcmpl-...).")
+    object: Literal["chat.completion"] = Field("chat.completion", description="The type.")
+    created: int = Field(description="Unix time the request arrived.")
+    model: str = Field(description="The served model's name.")
+    choices: list[ChatChoice] = Field(description="The choices.")
+    usage: Usage = Field(description="Token counts.")
+
+
+class DeltaMessage(BaseModel):
+    """What a stream chunk adds to the assistant's message."""
+
+    role: Literal["assistant"] | None = Field(None, description="Set in the first chunk only.")
+    content: str | None = Field(None, description="New text.")
+
+
+class ChatStreamChoice(BaseModel):
+    """One choice of a chat stream chunk."""
+
+    index: int = Field(description="The choice's position; always 0 here.")
+    delta: DeltaMessage = Field(description="The new part of the message.")
+    logprobs: None = Field(None, description="Not supported; always null.")
+    finish_reason: FinishReason | None = Field(None, description="Set in the last chunk.")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str = Field(description="The request id (chatcmpl-...), the same in every chunk.")
+    object: Literal["chat.completion.chunk"] = Field(
+        "chat.completion.chunk", description="The type."
+    )
+    created: int = Field(description="Unix time the request arrived.")
+    model: str = Field(description="The served model's name.")
+    choices: list[ChatStreamChoice] = Field(description="Empty in the usage chunk.")
+    usage: Usage | None = Field(None, description="Token counts, in the usage chunk only.")
+
+
+class ModelCard(BaseModel):
+    """One served model."""
+
+    id: str = Field(description="The name to pass as `model`.")
+    object: Literal["model"] = Field("model", description="The type.")
+    created: int = Field(description="Unix time the server started.")
+    owned_by: str = Field("raypack", description="Who serves it.")
+    max_model_len: int = Field(description="Context length: prompt plus generated tokens.")
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = Field("list", description="The type.")
+    data: list[ModelCard] = Field(description="The served models.")
+
+
+class ErrorDetail(BaseModel):
+    """OpenAI's error object."""
+
+    message: str = Field(description="What went wrong, in words.")
+    type: str = Field(description="invalid_request_error, authentication_error, ...")
+    param: str | None = Field(None, description="The request field at fault, when one is.")
+    code: str | None = Field(None, description="A machine-readable code, when there is one.")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response."""
+
+    error: ErrorDetail = Field(description="The error.")
+
+
+class HealthResponse(BaseModel):
+    """GET /health."""
+
+    status: Literal["ok"] = Field("ok", description="The replica and its step loop are alive.")
+    waiting: int = Field(description="Requests in the staging queue.")
+    running: int = Field(description="Requests admitted to the engine and not yet finished.")
+    threshold: int = Field(description="The admission controller's current N_t.")
+    aborted: int = Field(description="Requests dropped so far because their client went away.")

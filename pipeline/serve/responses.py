@@ -1,0 +1,124 @@
+"""Response bodies and server-sent events built from engine outputs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel
+
+from actors.outputs import RequestOutput
+from pipeline.serve.errors import APIError
+from pipeline.serve.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    ResponseMessage,
+    Usage,
+)
+
+DONE = "data: [DONE]\n\n"
+Kind = Literal["completion", "chat"]
+Reason = Literal["stop", "length"]
+
+
+def sse(body: dict[str, object]) -> str:
+    """One server-sent event carrying a JSON body."""
+    return f"data: {json.dumps(body)}\n\n"
+
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """What every body or chunk of one response repeats."""
+
+    kind: Kind
+    request_id: str
+    created: int
+    model: str
+
+    def full(self, output: RequestOutput) -> BaseModel:
+        """The non-streamed body for a finished output."""
+        reason = finish_reason(output)
+        if self.kind == "completion":
+            choice = CompletionChoice(index=0, text=output.text, finish_reason=reason)
+            return CompletionResponse(
+                id=self.request_id,
+                created=self.created,
+                model=self.model,
+                choices=[choice],
+                usage=usage(output),
+            )
+        message = ResponseMessage(content=output.text)
+        return ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[ChatChoice(index=0, message=message, finish_reason=reason)],
+            usage=usage(output),
+        )
+
+    def role_event(self) -> str:
+        """The first chunk of a chat stream: the assistant's role."""
+        choice = ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
+        return self._chat_chunk([choice], None)
+
+    def text_event(self, text: str, reason: Reason | None) -> str:
+        """A chunk with new text (and, in the last one, the finish reason)."""
+        if self.kind == "chat":
+            delta = DeltaMessage(content=text or None)
+            return self._chat_chunk([ChatStreamChoice(index=0, delta=delta, finish_reason=reason)])
+        choice = CompletionChoice(index=0, text=text, finish_reason=reason)
+        return self._completion_chunk([choice], None)
+
+    def usage_event(self, counts: Usage) -> str:
+        """The usage chunk (stream_options.include_usage): no choices, only counts."""
+        if self.kind == "chat":
+            return self._chat_chunk([], counts)
+        return self._completion_chunk([], counts)
+
+    def _completion_chunk(self, choices: list[CompletionChoice], counts: Usage | None) -> str:
+        body = CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=counts,
+        )
+        return f"data: {body.model_dump_json()}\n\n"
+
+    def _chat_chunk(self, choices: list[ChatStreamChoice], counts: Usage | None = None) -> str:
+        body = ChatCompletionChunk(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=counts,
+        )
+        return f"data: {body.model_dump_json()}\n\n"
+
+
+def finish_reason(output: RequestOutput) -> Reason:
+    """OpenAI's finish reason; an engine error or abort becomes a 500 APIError."""
+    if output.finish_reason in ("stop", "length"):
+        return output.finish_reason
+    if output.finish_reason == "error":
+        raise APIError(
+            500, f"the engine could not run the request: {output.error}", type="server_error"
+        )
+    raise APIError(500, f"the request ended with {output.finish_reason!r}", type="server_error")
+
+
+def usage(output: RequestOutput) -> Usage:
+    """Token counts of an output, with prefix-cache hits."""
+    return Usage(
+        prompt_tokens=output.num_prompt_tokens,
+        completion_tokens=len(output.token_ids),
+        total_tokens=output.num_prompt_tokens + len(output.token_ids),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
+    )

@@ -1,0 +1,242 @@
+"""The OpenAI API over the engine loop: validate, tokenize, check limits, submit, shape answers.
+
+Independent of FastAPI and Ray: it takes raw bodies and gives pydantic bodies or SSE lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError
+
+from actors.config import SamplingParams
+from actors.outputs import RequestOutput
+from pipeline.serve.config import ServeConfig
+from pipeline.serve.errors import APIError, bad_request, from_validation_error
+from pipeline.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from pipeline.serve.responses import DONE, ResponseHeader, finish_reason, sse, usage
+from pipeline.serve.staging import EngineFailedError, EngineLoop, QueueFullError, RequestStream
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready for the staging queue."""
+
+    header: ResponseHeader
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+class OpenAIService:
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI answers."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        loop: EngineLoop,
+        tokenizer: Any,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.config = config
+        self.loop = loop
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_prompt_tokens = min(config.max_prompt_tokens or max_model_len, max_model_len - 1)
+        self.started = int(time.time())
+
+    def models(self) -> ModelList:
+        """GET /v1/models."""
+        card = ModelCard(
+            id=self.config.model_name, created=self.started, max_model_len=self.max_model_len
+        )
+        return ModelList(data=[card])
+
+    def prepare_completion(self, body: bytes) -> Prepared:
+        """Validate a /v1/completions body; APIError (400/404) when it is not acceptable."""
+        request = _parse(CompletionRequest, body)
+        prompt = request.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise bad_request(
+                    f"only one prompt per request is supported, got {len(prompt)}", "prompt"
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))  # as the engine
+        else:
+            ids = [int(t) for t in prompt]  # type: ignore[union-attr]
+            vocab = self.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise bad_request(
+                    f"prompt token ids must be in [0, {vocab}), got {bad[0]}", "prompt"
+                )
+        max_tokens = request.max_tokens or self.config.default_completion_tokens
+        return self._prepared("completion", "cmpl", request, ids, max_tokens, "prompt")
+
+    def prepare_chat(self, body: bytes) -> Prepared:
+        """Validate a /v1/chat/completions body and apply the chat template."""
+        request = _parse(ChatCompletionRequest, body)
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # noqa: BLE001 (a template may reject a conversation)
+            raise bad_request(
+                f"the chat template rejected the messages: {exc}", "messages"
+            ) from exc
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        asked = request.max_completion_tokens or request.max_tokens
+        max_tokens = asked or max(
+            1, min(self.config.max_tokens_limit, self.max_model_len - len(ids))
+        )
+        return self._prepared("chat", "chatcmpl", request, ids, max_tokens, "messages")
+
+    def submit(self, prepared: Prepared) -> RequestStream:
+        """Queue the request; a 429 APIError with Retry-After when the staging queue is full."""
+        try:
+            return self.loop.submit(prepared.prompt_token_ids, prepared.params)
+        except QueueFullError as exc:
+            raise APIError(
+                429,
+                f"the server is busy ({exc}); retry after {self.config.retry_after_s} s",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            ) from exc
+
+    async def respond(self, prepared: Prepared, stream: RequestStream) -> BaseModel:
+        """Wait for the whole answer (non-streaming)."""
+        final: RequestOutput | None = None
+        try:
+            async for output in stream:
+                final = output
+        except EngineFailedError as exc:
+            raise APIError(500, f"the engine failed: {exc}", type="server_error") from exc
+        finally:
+            if final is None or not final.finished:
+                self.loop.abort(stream.request_id)
+        assert final is not None and final.finished
+        return prepared.header.full(final)
+
+    async def events(self, prepared: Prepared, stream: RequestStream) -> AsyncIterator[str]:
+        """Server-sent events, one per new piece of text, ending with `data: [DONE]`."""
+        header = prepared.header
+        # The engine cuts a stop string from the text once it is complete; until then hold
+        # back as many characters as could be its start, so they are never sent (vLLM does too).
+        hold = max((len(s) for s in prepared.params.stop), default=1) - 1
+        sent = 0
+        final: RequestOutput | None = None
+        try:
+            if header.kind == "chat":
+                yield header.role_event()
+            async for output in stream:
+                final = output
+                reason = finish_reason(output) if output.finished else None
+                end = len(output.text) if output.finished else len(output.text) - hold
+                delta = output.text[sent:end]
+                sent = max(sent, end)
+                if delta or reason is not None:
+                    yield header.text_event(delta, reason)
+            if final is not None and prepared.include_usage:
+                yield header.usage_event(usage(final))
+        except EngineFailedError as exc:
+            error = APIError(500, f"the engine failed: {exc}", type="server_error")
+            yield sse(error.body())
+        except APIError as exc:
+            yield sse(exc.body())
+        finally:
+            if final is None or not final.finished:
+                self.loop.abort(stream.request_id)
+        yield DONE
+
+    def _prepared(
+        self,
+        kind: Literal["completion", "chat"],
+        prefix: str,
+        request: CompletionRequest | ChatCompletionRequest,
+        ids: list[int],
+        max_tokens: int,
+        prompt_field: str,
+    ) -> Prepared:
+        if request.model != self.config.model_name:
+            raise APIError(
+                404,
+                f"the model '{request.model}' does not exist; this server serves "
+                f"'{self.config.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+        if not ids:
+            raise bad_request(f"the prompt ({prompt_field}) is empty", prompt_field)
+        if len(ids) > self.max_prompt_tokens:
+            raise bad_request(
+                f"the prompt ({prompt_field}) has {len(ids)} tokens; this server accepts at most "
+                f"{self.max_prompt_tokens} (the model's context is {self.max_model_len})",
+                prompt_field,
+                "context_length_exceeded",
+            )
+        if max_tokens > self.config.max_tokens_limit:
+            raise bad_request(
+                f"max_tokens is {max_tokens}; this server allows at most "
+                f"{self.config.max_tokens_limit}",
+                "max_tokens",
+            )
+        if len(ids) + max_tokens > self.max_model_len:
+            raise bad_request(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(ids) + max_tokens} were requested ({len(ids)} in the prompt, "
+                f"{max_tokens} for the completion): lower max_tokens or shorten the prompt",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=request.top_k or 0,
+                seed=request.seed,
+                stop=request.stop_strings(),
+                ignore_eos=request.ignore_eos,
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc), "stop" if "stop" in str(exc) else None) from exc
+        if len(params.stop) > 4:
+            raise bad_request(f"at most 4 stop strings, got {len(params.stop)}", "stop")
+        header = ResponseHeader(
+            kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.config.model_name
+        )
+        return Prepared(
+            header=header,
+            prompt_token_ids=ids,
+            params=params,
+            stream=request.stream,
+            include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        )
+
+
+def _parse(model: type[CompletionRequest] | type[ChatCompletionRequest], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc

@@ -1,0 +1,276 @@
+"""The staging queue and the step loop that drives the engine inside a replica.
+
+Requests wait in the staging queue until the admission controller lets a group of them into
+the engine (one packed prefill). The loop is one asyncio task: between steps it applies aborts,
+asks the controller, and adds the admitted requests; each `engine.step()` runs in a dedicated
+one-thread executor, so the event loop keeps accepting requests and streaming tokens while the
+model computes. The engine is only ever touched from that thread or between steps, never both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from actors.outputs import RequestOutput
+from packing.admission import AdmissionConfig, AdmissionController
+
+if TYPE_CHECKING:
+    from actors.config import SamplingParams
+    from pipeline.serve.metrics import ServeMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class StepEngine(Protocol):
+    """What the loop needs from the engine (actors.LLMEngine has it)."""
+
+    def add_request(
+        self, prompt: str | list[int], params: Any = None, request_id: str | None = None
+    ) -> str: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+class QueueFullError(Exception):
+    """The staging queue is at capacity; the caller should answer 429."""
+
+
+class EngineFailedError(Exception):
+    """The engine raised while this request was in it."""
+
+
+@dataclass
+class _Request:
+    """One request from submission to its last output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    latest: RequestOutput | None = None
+    error: BaseException | None = None
+    first_token_at: float | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class RequestStream:
+    """The outputs of one request, newest first-come: each item is the cumulative output.
+
+    A slow reader skips intermediate outputs (they are cumulative), so nothing queues up.
+    Leaving the iteration early (client gone, task cancelled) aborts the request.
+    """
+
+    def __init__(self, loop: EngineLoop, request: _Request) -> None:
+        self._loop = loop
+        self._request = request
+
+    @property
+    def request_id(self) -> str:
+        """The engine request id."""
+        return self._request.request_id
+
+    @property
+    def arrival(self) -> float:
+        """When the request entered the staging queue (monotonic seconds)."""
+        return self._request.arrival
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        request = self._request
+        seen: RequestOutput | None = None
+        try:
+            while True:
+                await request.changed.wait()
+                request.changed.clear()
+                if request.error is not None:
+                    raise EngineFailedError(str(request.error)) from request.error
+                if request.latest is not None and request.latest is not seen:
+                    seen = request.latest
+                    yield seen
+                    if seen.finished:
+                        return
+        finally:
+            if seen is None or not seen.finished:
+                self._loop.abort(request.request_id)
+
+
+class EngineLoop:
+    """Owns the engine in a replica: staging queue, admission controller, step loop, streams."""
+
+    def __init__(
+        self,
+        engine: StepEngine,
+        admission: AdmissionConfig,
+        *,
+        max_waiting: int,
+        metrics: ServeMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.controller = AdmissionController(admission)
+        self.max_waiting = max_waiting
+        self._metrics = metrics
+        self._clock = clock
+        self._waiting: OrderedDict[str, _Request] = OrderedDict()
+        self._running: dict[str, _Request] = {}
+        self._aborts: set[str] = set()
+        self.num_aborted = 0  # requests dropped because their client went away
+        self._wakeup = asyncio.Event()
+        self._ids = itertools.count()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the staging queue."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted to the engine and not finished."""
+        return len(self._running)
+
+    @property
+    def alive(self) -> bool:
+        """True while the step loop task runs."""
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        """Start the step loop on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        """Stop the loop and the step thread."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> RequestStream:
+        """Put a request in the staging queue; QueueFullError when it is at capacity."""
+        if len(self._waiting) >= self.max_waiting:
+            raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
+        now = self._clock()
+        request = _Request(f"srv-{next(self._ids)}", list(prompt_token_ids), params, now)
+        self._waiting[request.request_id] = request
+        self.controller.observe_arrival(now)
+        self._wakeup.set()
+        return RequestStream(self, request)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request: from the staging queue now, from the engine before its next step."""
+        if self._waiting.pop(request_id, None) is not None:
+            self.num_aborted += 1
+            return
+        if request_id in self._running:
+            self._aborts.add(request_id)
+            self._wakeup.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wakeup.clear()
+            self._apply_aborts()
+            wake_at = self._admit()
+            if self.engine.has_unfinished():
+                try:
+                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                except Exception as exc:  # noqa: BLE001 (fail the requests, keep serving)
+                    logger.exception("engine step failed; failing %d requests", self.num_running)
+                    self._fail_running(exc)
+                    continue
+                self._dispatch(outputs)
+                continue
+            timeout = None if wake_at is None else max(0.0, wake_at - self._clock())
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    def _admit(self) -> float | None:
+        """Hand the admitted group to the engine; return when to ask again if nothing changes."""
+        oldest = next(iter(self._waiting.values())).arrival if self._waiting else None
+        decision = self.controller.decide(self._clock(), len(self._waiting), oldest)
+        for _ in range(decision.count):
+            _, request = self._waiting.popitem(last=False)
+            self.engine.add_request(request.prompt_token_ids, request.params, request.request_id)
+            self._running[request.request_id] = request
+        if decision.count and logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "admitted %d (%s), N_t=%d",
+                decision.count,
+                decision.reason,
+                self.controller.threshold,
+            )
+        return decision.wake_at
+
+    def _apply_aborts(self) -> None:
+        for request_id in self._aborts:
+            request = self._running.pop(request_id, None)
+            if request is not None:
+                self.num_aborted += 1
+                self.engine.abort_request(request_id)
+                logger.info("aborted %s (client gone)", request_id)
+        self._aborts.clear()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = self._clock()
+        ttfts: list[float] = []
+        new_tokens = 0
+        for output in outputs:
+            request = self._running.get(output.request_id)
+            if request is None:  # aborted while the step ran
+                continue
+            previous = len(request.latest.token_ids) if request.latest is not None else 0
+            new_tokens += max(0, len(output.token_ids) - previous)
+            if request.first_token_at is None and output.token_ids:
+                request.first_token_at = now
+                ttfts.append(now - request.arrival)
+                if self._metrics is not None:
+                    self._metrics.record_first_token(now - request.arrival)
+            request.latest = output
+            request.changed.set()
+            if output.finished:
+                del self._running[output.request_id]
+                self._record_finished(request, output, now)
+        self.controller.observe_ttfts(ttfts)
+        if self._metrics is not None:
+            self._metrics.record_step(
+                new_tokens, self.num_waiting, self.num_running, self.controller.threshold
+            )
+
+    def _record_finished(self, request: _Request, output: RequestOutput, now: float) -> None:
+        if self._metrics is None:
+            return
+        tpot = None
+        if request.first_token_at is not None and len(output.token_ids) > 1:
+            tpot = (now - request.first_token_at) / (len(output.token_ids) - 1)
+        self._metrics.record_finished(
+            output.finish_reason or "unknown",
+            now - request.arrival,
+            tpot,
+            output.num_prompt_tokens,
+            output.num_cached_tokens,
+        )
+
+    def _fail_running(self, exc: BaseException) -> None:
+        for request_id, request in list(self._running.items()):
+            request.error = exc
+            request.changed.set()
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 (the engine is already broken)
+                logger.debug("abort after failure raised", exc_info=True)
+        self._running.clear()

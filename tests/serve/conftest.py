@@ -1,0 +1,121 @@
+"""A live local Ray Serve instance on a free loopback port with three apps on one tiny model.
+
+- `main` at /: aimd admission, small limits, used by most tests.
+- `auth` at /auth: the same, behind API keys read from a file.
+- `held` at /held: a fixed window that holds requests 2 s and a staging queue of 2 (for 429).
+
+Ray runs in a fresh temporary directory, started once per test session of this folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from actors.config import EngineConfig
+from packing.admission import AdmissionConfig
+from tests.tiny_models import save_tiny_model
+
+logger = logging.getLogger(__name__)
+
+MODEL = "tiny"
+API_KEY = "sk-test-123"
+HOLD_S = 2.0
+
+
+@dataclass(frozen=True)
+class Live:
+    """Where the live apps are."""
+
+    base: str  # http://127.0.0.1:<port>
+    model_dir: Path
+
+    def url(self, path: str, app: str = "") -> str:
+        """The URL of `path` on `app` ('' for main, 'auth', 'held')."""
+        prefix = f"/{app}" if app else ""
+        return f"{self.base}{prefix}{path}"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random llama with the SmolLM2 tokenizer (context 512)."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    """Start Ray and Serve on a free port and deploy the three apps; shut all down after."""
+    import ray
+    from ray import serve
+
+    from pipeline.serve import ServeConfig, build_app
+
+    keys = tmp_path_factory.mktemp("keys") / "api_keys.txt"
+    keys.write_text(f"# test keys\n{API_KEY}\nsk-other\n")
+    # A short path: Ray's unix sockets live under it.
+    temp_dir = tempfile.mkdtemp(prefix="rps", dir="/tmp")
+    port = free_port()
+    started = time.monotonic()
+    ray.init(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        engine = EngineConfig(model=str(tiny_model_dir), max_num_seqs=64)
+        common = dict(
+            engine=engine,
+            served_model_name=MODEL,
+            max_body_bytes=16_384,
+            max_tokens_limit=400,
+            num_cpus=0.2,
+            api_keys_env=None,
+        )
+        aimd = AdmissionConfig(policy="aimd", max_wait_s=0.05, ttft_low_s=0.05, ttft_high_s=0.2)
+        apps = {
+            "main": ServeConfig(admission=aimd, **common),  # type: ignore[arg-type]
+            "auth": ServeConfig(admission=aimd, api_keys_file=str(keys), **common),  # type: ignore[arg-type]
+            "held": ServeConfig(  # type: ignore[arg-type]
+                admission=AdmissionConfig(policy="fixed", window_requests=100, window_s=HOLD_S),
+                max_waiting=2,
+                retry_after_s=3,
+                **common,
+            ),
+        }
+        serve.run_many(  # deployed side by side: each replica loads torch once
+            [
+                serve.RunTarget(build_app(config), name, "/" if name == "main" else f"/{name}")
+                for name, config in apps.items()
+            ]
+        )
+        live = Live(f"http://127.0.0.1:{port}", tiny_model_dir)
+        requests.get(live.url("/health"), timeout=10).raise_for_status()
+        logger.info("live serve apps up in %.1f s", time.monotonic() - started)
+        yield live
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def reference_engine(tiny_model_dir: Path):  # noqa: ANN201
+    """The same tiny model in this process, for batch `generate` references."""
+    from actors import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_seqs=64))

@@ -1,0 +1,175 @@
+"""The live app's protection: every error with its status and body, auth, 429, disconnects, load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+import requests
+
+from tests.serve.conftest import API_KEY, HOLD_S, MODEL, Live
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+CHAT_OK = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+LONG_PROMPT = "word " * 600  # over the tiny model's 512-token context
+
+
+def error_of(response: requests.Response, status: int) -> dict:
+    """Check the status and OpenAI's error shape; return the error object."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "code"),
+    [
+        ("/v1/completions", {**OK, "foo": 1}, "foo", "unknown_field"),
+        ("/v1/completions", {k: v for k, v in OK.items() if k != "prompt"}, "prompt", "missing_field"),
+        ("/v1/completions", {**OK, "max_tokens": 0}, "max_tokens", None),
+        ("/v1/completions", {**OK, "max_tokens": "5"}, "max_tokens", None),
+        ("/v1/completions", {**OK, "max_tokens": 401}, "max_tokens", None),
+        ("/v1/completions", {**OK, "temperature": 2.5}, "temperature", None),
+        ("/v1/completions", {**OK, "top_p": 0}, "top_p", None),
+        ("/v1/completions", {**OK, "n": 2}, "n", None),
+        ("/v1/completions", {**OK, "prompt": ""}, "prompt", None),
+        ("/v1/completions", {**OK, "prompt": [1, 10**9]}, "prompt", None),
+        ("/v1/completions", {**OK, "prompt": ["a", "b"]}, "prompt", None),
+        ("/v1/completions", {**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", None),
+        ("/v1/completions", {**OK, "stream_options": {"include_usage": True}}, "stream_options", None),
+        ("/v1/completions", {**OK, "prompt": LONG_PROMPT}, "prompt", "context_length_exceeded"),
+        ("/v1/completions", {**OK, "prompt": "hi " * 200, "max_tokens": 400}, "max_tokens", "context_length_exceeded"),
+        ("/v1/chat/completions", {**CHAT_OK, "messages": []}, "messages", None),
+        ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "bot", "content": "x"}]}, "messages.0.role", None),
+        ("/v1/chat/completions", {**CHAT_OK, "messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages", "context_length_exceeded"),
+    ],
+)  # fmt: skip
+def test_invalid_requests_are_400_naming_the_field(
+    live: Live, path: str, body: dict, param: str, code: str | None
+) -> None:
+    error = error_of(requests.post(live.url(path), json=body, timeout=30), 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["code"] == code
+    assert param.split(".")[0] in error["message"]
+
+
+def test_malformed_bodies_unknown_model_route_and_size(live: Live) -> None:
+    url = live.url("/v1/completions")
+    headers = {"content-type": "application/json"}
+    error = error_of(requests.post(url, data=b'{"model": ', headers=headers, timeout=30), 400)
+    assert error["code"] == "invalid_json"
+    error = error_of(requests.post(url, data=b"[1, 2]", headers=headers, timeout=30), 400)
+    assert error["code"] == "invalid_body"
+    error = error_of(requests.post(url, json={**OK, "model": "gpt-4"}, timeout=30), 404)
+    assert error["param"] == "model" and error["code"] == "model_not_found"
+    error_of(requests.get(live.url("/v1/nothing"), timeout=30), 404)
+    error = error_of(requests.post(url, json={**OK, "prompt": "x" * 20_000}, timeout=30), 413)
+    assert error["code"] == "body_too_large"
+    # still healthy after all of that
+    assert requests.post(url, json=OK, timeout=30).status_code == 200
+
+
+def test_api_keys(live: Live) -> None:
+    url = live.url("/v1/completions", "auth")
+    error = error_of(requests.post(url, json=OK, timeout=30), 401)
+    assert error["type"] == "authentication_error" and error["code"] == "missing_api_key"
+    wrong = {"Authorization": "Bearer sk-wrong"}
+    error = error_of(requests.post(url, json=OK, headers=wrong, timeout=30), 401)
+    assert error["code"] == "invalid_api_key"
+    error_of(requests.get(live.url("/v1/models", "auth"), timeout=30), 401)
+    good = {"Authorization": f"Bearer {API_KEY}"}
+    assert requests.post(url, json=OK, headers=good, timeout=30).status_code == 200
+    assert requests.get(live.url("/health", "auth"), timeout=30).status_code == 200
+
+    from openai import AuthenticationError, OpenAI
+
+    base = live.url("/v1", "auth")
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=base, api_key="sk-wrong", max_retries=0).models.list()
+    client = OpenAI(base_url=base, api_key=API_KEY, max_retries=0, timeout=60)
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+
+
+def test_full_staging_queue_is_429_with_retry_after(live: Live) -> None:
+    url = live.url("/v1/completions", "held")
+    statuses: list[int] = []
+
+    def send() -> None:
+        statuses.append(requests.post(url, json=OK, timeout=60).status_code)
+
+    held = [threading.Thread(target=send) for _ in range(2)]
+    for thread in held:
+        thread.start()
+    deadline = time.monotonic() + HOLD_S
+    while requests.get(live.url("/health", "held"), timeout=10).json()["waiting"] < 2:
+        assert time.monotonic() < deadline, "the two held requests never reached the queue"
+        time.sleep(0.02)
+    rejected = requests.post(url, json=OK, timeout=30)
+    error = error_of(rejected, 429)
+    assert rejected.headers["Retry-After"] == "3"
+    assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+    for thread in held:
+        thread.join(timeout=60)
+    assert statuses == [200, 200]  # the window expired and both were served
+
+
+def test_disconnecting_stream_aborts_its_request(live: Live) -> None:
+    before = requests.get(live.url("/health"), timeout=10).json()
+    body = {**OK, "max_tokens": 400, "stream": True, "prompt": "Tell me a long story"}
+    payload = json.dumps(body).encode()
+    host = urlsplit(live.base)
+    sock = socket.create_connection((host.hostname, host.port), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    received = b""
+    while received.count(b"data: ") < 3:  # the stream has started: tokens are flowing
+        piece = sock.recv(4096)
+        assert piece, "the server closed the stream early"
+        received += piece
+    sock.close()
+    deadline = time.monotonic() + 30
+    while True:
+        health = requests.get(live.url("/health"), timeout=10).json()
+        if health["aborted"] == before["aborted"] + 1 and health["running"] == 0:
+            break
+        assert time.monotonic() < deadline, f"the request was not aborted: {health}"
+        time.sleep(0.05)
+
+
+def test_200_concurrent_requests_all_answered(live: Live) -> None:
+    async def main() -> list[int]:
+        timeout = aiohttp.ClientTimeout(total=180)
+        connector = aiohttp.TCPConnector(limit=200)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
+            async def one(i: int) -> int:
+                body = {**OK, "prompt": f"Request number {i} says", "max_tokens": 4}
+                if i % 2:
+                    body = {**body, "stream": True}
+                async with session.post(live.url("/v1/completions"), json=body) as response:
+                    text = await response.text()
+                    if response.status == 200 and i % 2:
+                        assert text.rstrip().endswith("data: [DONE]")
+                    return response.status
+
+            return await asyncio.gather(*(one(i) for i in range(200)))
+
+    statuses = asyncio.run(main())
+    assert statuses == [200] * 200
+    health = requests.get(live.url("/health"), timeout=10).json()
+    assert health["running"] == 0 and health["waiting"] == 0
