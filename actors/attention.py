@@ -16,6 +16,7 @@ Per layer the function writes the step's new K/V into the paged cache, then atte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -140,7 +141,7 @@ def paged_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Write the step's K/V into the paged cache and attend; returns
     `[1, num_tokens, num_heads, head_dim]` as transformers expects."""
@@ -151,7 +152,9 @@ def paged_attention(
             "run this model through LLMEngine, or call "
             "model.set_attn_implementation('sdpa') to use it on its own"
         )
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]  # [num_blocks, block_size, kv_heads, dim]
+    k_cache, v_cache = meta.kv_caches[
+        _layer_index(module)
+    ]  # [num_blocks, block_size, kv_heads, dim]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_new = key[0].transpose(0, 1)  # [num_tokens, kv_heads, dim]
     v_new = value[0].transpose(0, 1)
@@ -228,7 +231,15 @@ def _varlen_attention(
         window_size=(-1, 0),
         enable_gqa=True,
     )
+    assert isinstance(out, torch.Tensor)
     return out.unsqueeze(0)  # [1, tokens, heads, dim]
+
+
+def _layer_index(module: torch.nn.Module) -> int:
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(index, int):
+        raise TypeError(f"{type(module).__name__} has no integer layer_idx; cannot find its cache")
+    return index
 
 
 def register() -> None:

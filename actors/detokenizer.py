@@ -8,6 +8,8 @@ lead the window so that the first output token keeps its leading space.
 
 from __future__ import annotations
 
+from typing import Any
+
 from actors.request import Request
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the output for correct spacing
@@ -16,7 +18,7 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded before the output for correct spaci
 class Detokenizer:
     """Appends new text to requests and finds stop strings in it."""
 
-    def __init__(self, tokenizer):  # noqa: ANN001 (HF tokenizer)
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
     def start(self, request: Request) -> None:
@@ -35,7 +37,7 @@ class Detokenizer:
         full_text = decode(ids[request.prefix_offset :], skip_special_tokens=True)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
-        new_text = full_text[len(prefix_text) :]
+        new_text: str = full_text[len(prefix_text) :]
         request.prefix_offset = request.read_offset
         request.read_offset = len(ids)
         request.text += new_text

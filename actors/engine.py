@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,10 +19,10 @@ from actors.config import EngineConfig, SamplingParams
 from actors.detokenizer import Detokenizer
 from actors.kv_cache import KVCacheManager, kv_bytes_per_block
 from actors.model_runner import ModelRunner, model_geometry
-from actors.outputs import FinishReason, RequestOutput
+from actors.outputs import FinishReason, RequestOutput, TokenLogprob
 from actors.request import PrefixGroupState, Request, RequestStatus
 from actors.sampler import Sampler
-from actors.scheduler import Scheduler
+from actors.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
     from packing.prefix import PrefixGroup
@@ -40,7 +40,9 @@ class LLMEngine:
     from `config.model`. The engine switches the model's attention to `raypack_paged`.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None):  # noqa: ANN001
+    def __init__(
+        self, config: EngineConfig | None = None, *, model: Any = None, tokenizer: Any = None
+    ) -> None:
         self.config = config = config or EngineConfig()
         if model is None:
             device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -213,7 +215,9 @@ class LLMEngine:
             return f"token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}"
         return None
 
-    def _append(self, req: Request, token_id: int, logprob) -> FinishReason | None:  # noqa: ANN001
+    def _append(
+        self, req: Request, token_id: int, logprob: TokenLogprob | None
+    ) -> FinishReason | None:
         """Add a sampled token; the finish reason when it ends the request."""
         req.append_token(token_id)
         if req.first_token_time is None:
@@ -269,7 +273,7 @@ class _StepStats:
         self.tokens = 0
         self.seconds = 0.0
 
-    def record(self, engine: LLMEngine, sched, seconds: float) -> None:  # noqa: ANN001
+    def record(self, engine: LLMEngine, sched: SchedulerOutput, seconds: float) -> None:
         self.steps += 1
         self.tokens += sched.total_num_scheduled_tokens
         self.seconds += seconds
@@ -289,14 +293,14 @@ class _StepStats:
             self.tokens, self.seconds = 0, 0.0
 
 
-def _blocks_from_memory(model, config: EngineConfig) -> int:  # noqa: ANN001
+def _blocks_from_memory(model: Any, config: EngineConfig) -> int:
     num_layers, num_kv_heads, head_dim = model_geometry(model)
     dtype = next(model.parameters()).dtype
     per_block = kv_bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, dtype)
     return max(1, int(config.kv_cache_memory_gb * 2**30 // per_block))
 
 
-def _max_model_len(model, config: EngineConfig, num_blocks: int) -> int:  # noqa: ANN001
+def _max_model_len(model: Any, config: EngineConfig, num_blocks: int) -> int:
     """The context: the model's (or config's), never beyond the KV pool or a sliding window
     (this engine attends to the full context only)."""
     text = model.config.get_text_config()
@@ -308,7 +312,7 @@ def _max_model_len(model, config: EngineConfig, num_blocks: int) -> int:  # noqa
     return min(limit, num_blocks * config.block_size)
 
 
-def _eos_ids(model, tokenizer) -> set[int]:  # noqa: ANN001
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     ids: set[int] = set()
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for value in (eos, getattr(tokenizer, "eos_token_id", None)):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -157,13 +157,14 @@ class KVCacheManager:
         return block_id
 
 
-def _load_block_hashes():  # noqa: ANN202 (packing's function, typed there)
+def _load_block_hashes() -> Callable[[Sequence[int], int], Sequence[int]] | None:
     # Imported lazily: packing.keys is written by another module owner and may lag behind.
     try:
         from packing.keys import block_hashes
     except ImportError:
         return None
-    return block_hashes
+    fn: Callable[[Sequence[int], int], Sequence[int]] = block_hashes
+    return fn
 
 
 def kv_bytes_per_block(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ class ModelInput:
     attn: attention.AttentionMetadata
 
 
-def model_geometry(model) -> tuple[int, int, int]:  # noqa: ANN001 (HF model)
+def model_geometry(model: Any) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a transformers decoder."""
     cfg = model.config.get_text_config()
     heads = cfg.num_attention_heads
@@ -49,7 +50,7 @@ def model_geometry(model) -> tuple[int, int, int]:  # noqa: ANN001 (HF model)
 class ModelRunner:
     """Owns the model and the KV tensors; executes scheduled steps."""
 
-    def __init__(self, model, config: EngineConfig, num_blocks: int):  # noqa: ANN001
+    def __init__(self, model: Any, config: EngineConfig, num_blocks: int) -> None:
         self.model = model
         self.config = config
         self.block_size = config.block_size
@@ -127,7 +128,8 @@ class ModelRunner:
             use_cache=False,
             **{attention.ATTN_KWARG: inputs.attn},
         )
-        return out.logits[0].float()
+        logits: torch.Tensor = out.logits[0].float()
+        return logits
 
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Copy blocks, run the step; the sampling requests and their logits."""

@@ -97,9 +97,10 @@ class Scheduler:
 
         # No admissions in a step that had to preempt: memory is already short.
         while not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._next_admissible()
-            if req is None:
+            candidate = self._next_admissible()
+            if candidate is None:
                 break
+            req = candidate
             shared, num_shared, copy_src = self._computed_prefix(req)
             num_new = min(req.num_tokens - num_shared, chunk, budget)
             fresh = self.kv.allocate(req, num_shared + num_new, shared)
