@@ -33,6 +33,7 @@ class Sampler:
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.generator = torch.Generator().manual_seed(seed)
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """`logits` `[num_requests, vocab]` float32, one row per request (same order)."""
         num = len(requests)

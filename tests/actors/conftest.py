@@ -52,6 +52,7 @@ def make_engine(tokenizer):
     """Build an engine over a fresh tiny model (same weights as the reference's)."""
 
     def make(arch: str = "llama", **config) -> LLMEngine:
+        config.setdefault("num_kv_blocks", 512)  # not 1 GB of blocks for a tiny model
         return LLMEngine(EngineConfig(**config), model=context_model(arch), tokenizer=tokenizer)
 
     return make
