@@ -17,6 +17,7 @@ from ray import serve
 from ray.serve.deployment import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from packing.admission import AdmissionConfig
 from pipeline.serve.auth import check_api_key, load_api_keys
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.errors import APIError
@@ -67,6 +68,7 @@ def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = 
         return HealthResponse(
             waiting=service.loop.num_waiting,
             running=service.loop.num_running,
+            policy=service.loop.controller.config.policy,
             threshold=service.loop.controller.threshold,
             aborted=service.loop.num_aborted,
         )
@@ -117,6 +119,7 @@ class OpenAIDeployment:
         self._engine = LLMEngine(config.engine)
         self._api_keys = load_api_keys(config.api_keys_env, config.api_keys_file)
         self._metrics = ServeMetrics()
+        self._admission = config.admission
         self._loop: EngineLoop | None = None
         logger.info("serving %s (max_model_len %d)", config.model_name, self._engine.max_model_len)
 
@@ -124,7 +127,7 @@ class OpenAIDeployment:
         """Start the step loop on the replica's event loop and build the API around it."""
         self._loop = EngineLoop(
             self._engine,
-            self._config.admission,
+            self._admission,
             max_waiting=self._config.max_waiting,
             metrics=self._metrics,
         )
@@ -138,6 +141,17 @@ class OpenAIDeployment:
         )
         return create_api(service, self._api_keys, self._metrics)
 
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's user_config hook: `{"admission": {AdmissionConfig fields}}` switches the
+        admission rule in place (no restart, the model stays loaded)."""
+        unknown = set(user_config) - {"admission"}
+        if unknown:
+            raise ValueError(f"user_config accepts only 'admission', got {sorted(unknown)}")
+        if "admission" in user_config:
+            self._admission = AdmissionConfig(**user_config["admission"])
+            if self._loop is not None:
+                self._loop.set_admission(self._admission)
+
     def check_health(self) -> None:
         """Serve's health check: the step loop must be running."""
         if self._loop is not None and not self._loop.alive:
@@ -145,7 +159,12 @@ class OpenAIDeployment:
 
 
 def build_app(config: ServeConfig) -> Application:
-    """The Serve application for `config` (one replica owning one engine)."""
+    """The Serve application for `config` (one replica owning one engine).
+
+    To switch the admission rule of the live replica without reloading the model, call
+    `serve.get_app_handle(name).reconfigure.remote({"admission": {...}})` (or set
+    `user_config` in a `serve deploy` config file, which Serve applies in place).
+    """
     deployment = OpenAIDeployment.options(
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.num_cpus},

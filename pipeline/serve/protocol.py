@@ -240,5 +240,6 @@ class HealthResponse(BaseModel):
     status: Literal["ok"] = Field("ok", description="The replica and its step loop are alive.")
     waiting: int = Field(description="Requests in the staging queue.")
     running: int = Field(description="Requests admitted to the engine and not yet finished.")
+    policy: str = Field(description="The admission policy: immediate, fixed or aimd.")
     threshold: int = Field(description="The admission controller's current N_t.")
     aborted: int = Field(description="Requests dropped so far because their client went away.")

@@ -158,6 +158,12 @@ class EngineLoop:
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
 
+    def set_admission(self, admission: AdmissionConfig) -> None:
+        """Switch the admission rule (a fresh controller: N_t cold-starts at n_min)."""
+        self.controller = AdmissionController(admission)
+        self._wakeup.set()
+        logger.info("admission policy now %s", admission)
+
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> RequestStream:
         """Put a request in the staging queue; QueueFullError when it is at capacity."""
         if len(self._waiting) >= self.max_waiting:

@@ -23,6 +23,7 @@ import requests
 
 from actors.config import EngineConfig
 from packing.admission import AdmissionConfig
+from pipeline.serve.config import ServeConfig
 from tests.tiny_models import save_tiny_model
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class Live:
 
     base: str  # http://127.0.0.1:<port>
     model_dir: Path
+    configs: dict[str, ServeConfig]  # app name -> what it was deployed with
 
     def url(self, path: str, app: str = "") -> str:
         """The URL of `path` on `app` ('' for main, 'auth', 'held')."""
@@ -64,7 +66,7 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     import ray
     from ray import serve
 
-    from pipeline.serve import ServeConfig, build_app
+    from pipeline.serve import build_app
 
     keys = tmp_path_factory.mktemp("keys") / "api_keys.txt"
     keys.write_text(f"# test keys\n{API_KEY}\nsk-other\n")
@@ -101,7 +103,7 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 for name, config in apps.items()
             ]
         )
-        live = Live(f"http://127.0.0.1:{port}", tiny_model_dir)
+        live = Live(f"http://127.0.0.1:{port}", tiny_model_dir, apps)
         requests.get(live.url("/health"), timeout=10).raise_for_status()
         logger.info("live serve apps up in %.1f s", time.monotonic() - started)
         yield live

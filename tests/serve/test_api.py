@@ -143,3 +143,27 @@ def test_sampling_with_seed_is_reproducible(live: Live) -> None:
     first = requests.post(live.url("/v1/completions"), json=body, timeout=60).json()
     second = requests.post(live.url("/v1/completions"), json=body, timeout=60).json()
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
+
+
+def test_admission_policy_switches_in_place(live: Live) -> None:
+    from dataclasses import asdict
+
+    from ray import serve
+
+    from packing.admission import AdmissionConfig
+
+    created = requests.get(live.url("/v1/models"), timeout=10).json()["data"][0]["created"]
+    handle = serve.get_app_handle("main")
+    try:
+        handle.reconfigure.remote({"admission": asdict(AdmissionConfig("immediate"))}).result()
+        assert requests.get(live.url("/health"), timeout=10).json()["policy"] == "immediate"
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
+        assert requests.post(live.url("/v1/completions"), json=body, timeout=60).ok
+        with pytest.raises(Exception, match="n_min"):
+            handle.reconfigure.remote({"admission": {"n_min": 0}}).result()
+    finally:
+        original = asdict(live.configs["main"].admission)
+        handle.reconfigure.remote({"admission": original}).result()
+    assert requests.get(live.url("/health"), timeout=10).json()["policy"] == "aimd"
+    # the same replica (same start time): the model was not reloaded
+    assert requests.get(live.url("/v1/models"), timeout=10).json()["data"][0]["created"] == created

@@ -1,0 +1,113 @@
+"""Command-line flags for serving (shared by jobs/serve.py and jobs/bench_serve.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from actors.config import EngineConfig
+from packing.admission import POLICIES, AdmissionConfig
+from pipeline.serve.config import API_KEYS_ENV, ServeConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model and engine flags."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default="smollm2", help="smollm2, a local HF folder or .gguf")
+    group.add_argument("--served-model-name", default=None, help="name clients pass as `model`")
+    group.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    group.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="running requests at most")
+    group.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size")
+
+
+def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    """Admission policy and controller knobs (see packing/admission.py)."""
+    d = AdmissionConfig()
+    group = parser.add_argument_group("admission")
+    group.add_argument("--policy", choices=POLICIES, default=d.policy, help="admission policy")
+    group.add_argument("--window-requests", type=int, default=d.window_requests, help="fixed: N")
+    group.add_argument("--window-ms", type=float, default=d.window_s * 1e3, help="fixed: T (ms)")
+    group.add_argument("--n-min", type=int, default=d.n_min, help="aimd: lower bound of N_t")
+    group.add_argument("--n-max", type=int, default=d.n_max, help="aimd: upper bound of N_t")
+    group.add_argument("--alpha", type=float, default=d.alpha, help="aimd: additive increase")
+    group.add_argument("--beta", type=float, default=d.beta, help="aimd: multiplicative decrease")
+    group.add_argument(
+        "--ttft-low-ms", type=float, default=d.ttft_low_s * 1e3, help="aimd: band low edge"
+    )
+    group.add_argument(
+        "--ttft-high-ms", type=float, default=d.ttft_high_s * 1e3, help="aimd: band high edge"
+    )
+    group.add_argument(
+        "--burst-queue-depth", type=int, default=d.burst_queue_depth, help="aimd: burst depth"
+    )
+    group.add_argument(
+        "--burst-arrival-rate",
+        type=float,
+        default=d.burst_arrival_rate,
+        help="aimd: burst arrival rate (requests/s)",
+    )
+    group.add_argument(
+        "--max-wait-ms", type=float, default=d.max_wait_s * 1e3, help="aimd: longest wait (ms)"
+    )
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """Protective limits and API keys."""
+    d = ServeConfig()
+    group = parser.add_argument_group("limits")
+    group.add_argument("--max-waiting", type=int, default=d.max_waiting, help="staging capacity")
+    group.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="body limit")
+    group.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt token limit")
+    group.add_argument(
+        "--max-tokens-limit", type=int, default=d.max_tokens_limit, help="max_tokens limit"
+    )
+    group.add_argument(
+        "--api-keys-env", default=API_KEYS_ENV, help="env var with comma-separated API keys"
+    )
+    group.add_argument("--api-keys-file", default=None, help="file with one API key per line")
+    group.add_argument("--num-cpus", type=float, default=d.num_cpus, help="CPUs for the replica")
+
+
+def admission_from_args(args: argparse.Namespace, **overrides: object) -> AdmissionConfig:
+    """The AdmissionConfig the flags describe (with `overrides` applied)."""
+    values: dict[str, object] = dict(
+        policy=args.policy,
+        window_requests=args.window_requests,
+        window_s=args.window_ms / 1e3,
+        n_min=args.n_min,
+        n_max=args.n_max,
+        alpha=args.alpha,
+        beta=args.beta,
+        ttft_low_s=args.ttft_low_ms / 1e3,
+        ttft_high_s=args.ttft_high_ms / 1e3,
+        burst_queue_depth=args.burst_queue_depth,
+        burst_arrival_rate=args.burst_arrival_rate,
+        max_wait_s=args.max_wait_ms / 1e3,
+    )
+    values.update(overrides)
+    return AdmissionConfig(**values)  # type: ignore[arg-type]
+
+
+def serve_config_from_args(
+    args: argparse.Namespace, admission: AdmissionConfig | None = None
+) -> ServeConfig:
+    """The ServeConfig the flags describe; ValueError names a bad flag value."""
+    engine = EngineConfig(
+        model=args.model,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+    )
+    return ServeConfig(
+        engine=engine,
+        admission=admission or admission_from_args(args),
+        served_model_name=args.served_model_name,
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        api_keys_env=args.api_keys_env or None,
+        api_keys_file=args.api_keys_file,
+        num_cpus=args.num_cpus,
+    )

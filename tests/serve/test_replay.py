@@ -1,0 +1,43 @@
+"""Building a replay from the Azure trace: phases, time scaling, length caps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.serve.replay import Phase, build_requests, read_trace
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "azure_llm_trace_2023_conv.csv"
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared Azure trace is not present")
+def test_phases_scale_the_trace_to_their_rates() -> None:
+    trace = read_trace(TRACE)
+    assert trace[0][0] == 0.0 and len(trace) > 19_000
+    assert all(b[0] >= a[0] for a, b in zip(trace, trace[1:], strict=False))
+    phases = [Phase("low", 0.5, 20.0), Phase("high", 4.0, 10.0)]
+    corpus = list(range(10_000))
+    requests = build_requests(
+        trace,
+        phases,
+        corpus,
+        length_scale=0.125,
+        output_scale=0.0625,
+        max_prompt_tokens=64,
+        max_output_tokens=8,
+    )
+    low = [r for r in requests if r.phase == "low"]
+    high = [r for r in requests if r.phase == "high"]
+    assert (len(low), len(high)) == (10, 40)
+    assert 0.0 == low[0].arrival_s <= low[-1].arrival_s < 20.0 <= high[0].arrival_s
+    assert high[-1].arrival_s < 30.0
+    assert all(1 <= len(r.prompt_token_ids) <= 64 and 1 <= r.max_tokens <= 8 for r in requests)
+    # prompts are contiguous cuts of the corpus (real text in the benchmark)
+    first = requests[0].prompt_token_ids
+    assert list(first) == list(range(first[0], first[0] + len(first)))
+    with pytest.raises(ValueError, match="too few rows"):
+        build_requests(
+            trace[:5], phases, corpus, length_scale=1, output_scale=1,
+            max_prompt_tokens=8, max_output_tokens=8,
+        )  # fmt: skip
