@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from functools import partial
 from typing import Any
 
 import _bench_common as common
@@ -116,13 +117,15 @@ def computed_tokens(method: str, batch: list[list[int]], args: argparse.Namespac
     return sum(lengths)  # varlen and solo compute no padding
 
 
-def run_case(runners: Runners, name: str, batch: list[list[int]], args) -> dict[str, Any]:
+def run_case(
+    runners: Runners, name: str, batch: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
     """Time every method on one batch; speedups, padding and the bar."""
     real = sum(len(p) for p in batch)
     padded_tokens = computed_tokens("padded", batch, args)
     common.log(f"{name} batch {len(batch)}: {real} tokens, max {max(map(len, batch))}")
     times = common.interleaved(
-        {m: (lambda m=m: runners.call(m, batch)) for m in args.methods}, args.repeats, common.log
+        {m: partial(runners.call, m, batch) for m in args.methods}, args.repeats, common.log
     )
     medians = {m: common.median(times[m]) for m in args.methods}
     case: dict[str, Any] = {
@@ -157,7 +160,9 @@ def run_case(runners: Runners, name: str, batch: list[list[int]], args) -> dict[
     return case
 
 
-def measure_memory(runners: Runners, cases: list[tuple[dict, list[list[int]]]], args) -> None:
+def measure_memory(
+    runners: Runners, cases: list[tuple[dict[str, Any], list[list[int]]]], args: argparse.Namespace
+) -> None:
     """One more run of each method per case, with the process high-water mark reset first.
     varlen's paged KV pool is allocated once up front, so the blocks its prompts fill are
     added to its activation peak (the other methods' K/V is inside their measured peak)."""
@@ -165,7 +170,7 @@ def measure_memory(runners: Runners, cases: list[tuple[dict, list[list[int]]]], 
     for case, batch in cases:
         peaks = {}
         for m in args.methods:
-            _, peak = common.peak_memory(lambda m=m, b=batch: runners.call(m, b))
+            _, peak = common.peak_memory(partial(runners.call, m, batch))
             if m == "varlen":
                 blocks = sum(-(-len(p) // args.block_size) for p in batch)
                 peak += blocks * runners.block_bytes
