@@ -10,7 +10,8 @@ Per layer the function writes the step's new K/V into the paged cache, then atte
 - CPU: one batched SDPA call for all decodes (their K/V gathered by block table into a padded
   batch with a key mask), and one SDPA call per prefill segment: `is_causal` on the fresh K/V
   when nothing is cached, else the cached + new K/V with a bottom-right causal mask.
-- CUDA: one `varlen_attn` call over the whole flat sequence (`_varlen_attention`).
+- CUDA in bf16/fp16: one `varlen_attn` call over the whole flat sequence
+  (`_varlen_attention`); in fp32 (flash has no fp32 kernel) the SDPA path above runs on CUDA.
 """
 
 from __future__ import annotations
@@ -81,15 +82,17 @@ def build_metadata(
     block_size: int,
     num_decodes: int,
     device: torch.device,
+    use_varlen: bool = False,
 ) -> AttentionMetadata:
     """Metadata for segments `(num_cached[i], num_new[i])`; the first `num_decodes` are
-    decodes (one new token after cached ones)."""
+    decodes (one new token after cached ones). `use_varlen`: one flash varlen call (CUDA,
+    half precision) instead of the SDPA calls."""
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
     slots = tensor(slot_mapping)
-    if device.type == "cuda":
+    if use_varlen:
         key_slots = np.concatenate(
             [
                 token_slots(t, int(c + n), block_size)

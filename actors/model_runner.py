@@ -56,6 +56,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        # Flash varlen kernels exist for CUDA half precision only.
+        self.use_varlen = self.device.type == "cuda" and self.dtype != torch.float32
         num_layers, num_kv_heads, head_dim = model_geometry(model)
         self.kv_caches = allocate_kv_tensors(
             num_layers,
@@ -98,6 +100,7 @@ class ModelRunner:
             self.block_size,
             len(decodes),
             self.device,
+            use_varlen=self.use_varlen,
         )
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device)[None],

@@ -27,9 +27,10 @@ def torch_threads(num: int) -> Iterator[None]:
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
     """Greedy tokens from `model.generate` on this prompt alone (stops at EOS like the engine)."""
+    device = next(model.parameters()).device
     out = model.generate(
-        torch.tensor([list(prompt_ids)]),
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        torch.tensor([list(prompt_ids)], device=device),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=model.config.pad_token_id or 0,
@@ -40,17 +41,22 @@ def hf_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int
 @torch.inference_mode()
 def top2_gap(model, ids: Sequence[int]) -> float:
     """Gap between the best two next-token logits of `ids` (a solo forward)."""
-    logits = model(torch.tensor([list(ids)])).logits[0, -1].float()
+    device = next(model.parameters()).device
+    logits = model(torch.tensor([list(ids)], device=device)).logits[0, -1].float()
     top = logits.topk(2).values
     return float(top[0] - top[1])
 
 
 def assert_greedy_match(
-    reference_model, prompt_ids: Sequence[int], got: Sequence[int], expected: Sequence[int]
+    reference_model,
+    prompt_ids: Sequence[int],
+    got: Sequence[int],
+    expected: Sequence[int],
+    tie_gap: float = TIE_GAP,
 ) -> bool:
     """Tokens must equal the reference's; a difference is allowed only at a logit tie.
 
-    At the first differing token the reference's top-2 gap must be below TIE_GAP (the tie is
+    At the first differing token the reference's top-2 gap must be below `tie_gap` (the tie is
     shown, not assumed); after it the sequences may legitimately part. Returns True when
     identical.
     """
@@ -64,7 +70,7 @@ def assert_greedy_match(
     if first == min(len(got), len(expected)):
         raise AssertionError(f"lengths differ with a common prefix: got {got}, expected {expected}")
     gap = top2_gap(reference_model, list(prompt_ids) + expected[:first])
-    assert gap < TIE_GAP, (
+    assert gap < tie_gap, (
         f"token {first} differs (got {got[first]}, reference {expected[first]}) and the "
         f"reference's top-2 logit gap there is {gap:.3g}, not a tie"
     )
