@@ -100,17 +100,32 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def matmul_flops(size: int = 2048, repeats: int = 7) -> float:
-    """The machine's practical fp32 peak right now: FLOP/s of a large square matmul (median)."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    torch.mm(a, b)  # warm up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - started)
-    return 2 * size**3 / median(times)
+class MatmulProbe:
+    """The machine's practical fp32 peak: FLOP/s of a large square matmul. Call it between
+    the timed methods (the load of a shared machine changes by the minute) and take the
+    median of `samples`."""
+
+    def __init__(self, size: int = 2048, repeats: int = 3) -> None:
+        self.a = torch.randn(size, size)
+        self.b = torch.randn(size, size)
+        self.repeats = repeats
+        self.samples: list[float] = []
+        torch.mm(self.a, self.b)  # warm up
+
+    def __call__(self) -> float:
+        """Measure once more (best of `repeats` matmuls); returns FLOP/s."""
+        best = float("inf")
+        for _ in range(self.repeats):
+            started = time.perf_counter()
+            torch.mm(self.a, self.b)
+            best = min(best, time.perf_counter() - started)
+        self.samples.append(2 * self.a.shape[0] ** 3 / best)
+        return self.samples[-1]
+
+    @property
+    def flops(self) -> float:
+        """Median of the measurements so far."""
+        return median(self.samples)
 
 
 # ---- peak memory --------------------------------------------------------------------------

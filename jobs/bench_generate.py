@@ -1,0 +1,212 @@
+"""End-to-end greedy generation on CPU: HF `generate`, HF `generate_batch`, raypack.
+
+Alpaca prompts (chat template), greedy, `--max-tokens` new tokens, stopping at EOS, timed
+interleaved per repetition (medians):
+
+- `hf_generate`: `model.generate` on left-padded batches of `--hf-batch-size`, in input order;
+- `hf_generate_batch`: transformers' continuous batching (paged cache, packed prefill);
+- `raypack`: `LLMEngine.generate` with many concurrent sequences (a fresh engine per
+  repetition, so its prefix cache starts cold each time).
+
+Generated tokens count up to and including EOS. Achieved FLOP/s = 2 x parameters x (prompt +
+generated tokens) / time, against a large fp32 matmul measured in the same run. Greedy outputs
+of raypack are compared with `hf_generate`'s; where they differ, the logit gap of the two tokens in a solo
+forward at the first differing token says whether it was a floating-point tie.
+
+    python jobs/bench_generate.py --json [--num-prompts 256] [--max-tokens 64] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from functools import partial
+from typing import Any
+
+import _bench_common as common
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+from actors import EngineConfig, LLMEngine, SamplingParams, loader
+
+METHODS = ("hf_generate", "hf_generate_batch", "raypack")
+TIE_GAP = 1e-3  # top-2 logit gap (SmolLM2 logits are ~10-30) below which argmax is a tie
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--cb-max-batch-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="raypack: running sequences")
+    p.add_argument("--budget", type=int, default=512, help="raypack: max_num_batched_tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="1 on a shared box (see bench_prefill)")
+    p.add_argument("--no-check", action="store_true", help="skip the greedy comparison")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.add_argument("--output", default=None, help="also write the JSON to this file")
+    return p.parse_args(argv)
+
+
+def trim(tokens: list[int], eos: int) -> list[int]:
+    """Generated tokens up to and including the first EOS."""
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+class Generators:
+    """The three generators; each call returns generated tokens per prompt (EOS-trimmed)."""
+
+    def __init__(self, args: argparse.Namespace, eos: int) -> None:
+        self.args = args
+        self.eos = eos
+        self.tokenizer = loader.load_tokenizer("smollm2")
+        # Separate model objects: the engine switches its model's attention implementation.
+        self.hf_model = loader.load_model("smollm2", torch.float32, "cpu")
+        self.engine_model = loader.load_model("smollm2", torch.float32, "cpu")
+        self.hf_model.set_attn_implementation("sdpa")
+        self.config = GenerationConfig(  # type: ignore[no-untyped-call]
+            max_new_tokens=args.max_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+        self.outputs: dict[str, list[list[int]]] = {}
+
+    def call(self, method: str, prompts: list[list[int]]) -> None:
+        """Generate for every prompt with `method`; keeps the tokens in `outputs`."""
+        run = getattr(self, method)
+        self.outputs[method] = [trim(list(t), self.eos) for t in run(prompts)]
+
+    @torch.inference_mode()
+    def hf_generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        out: list[list[int]] = []
+        size = self.args.hf_batch_size
+        for start in range(0, len(prompts), size):
+            batch = prompts[start : start + size]
+            width = max(map(len, batch))
+            ids = torch.full((len(batch), width), self.eos, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, p in enumerate(batch):  # left padding, as for any decoder-only model
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
+            gen = self.hf_model.generate(ids, attention_mask=mask, generation_config=self.config)
+            out.extend(gen[:, width:].tolist())
+        return out
+
+    def hf_generate_batch(self, prompts: list[list[int]]) -> list[list[int]]:
+        cb = ContinuousBatchingConfig(
+            page_size=16, num_blocks=2048, max_batch_tokens=self.args.cb_max_batch_tokens
+        )
+        results = self.hf_model.generate_batch(
+            prompts, generation_config=self.config, continuous_batching_config=cb
+        )
+        # Request ids are assigned in input order ("req_0", "req_1", ...).
+        by_index = sorted(results.values(), key=lambda r: int(r.request_id.rsplit("_", 1)[-1]))
+        return [list(r.generated_tokens) for r in by_index]
+
+    def raypack(self, prompts: list[list[int]]) -> list[list[int]]:
+        blocks = sum(-(-(len(p) + self.args.max_tokens) // 16) for p in prompts)
+        config = EngineConfig(
+            max_num_seqs=self.args.max_num_seqs,
+            max_num_batched_tokens=self.args.budget,
+            num_kv_blocks=blocks + blocks // 50 + 16,  # all fit: no preemption in a benchmark
+        )
+        engine = LLMEngine(config, model=self.engine_model, tokenizer=self.tokenizer)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=self.args.max_tokens))
+        return [list(o.token_ids) for o in outs]
+
+
+@torch.inference_mode()
+def compare(gens: Generators, prompts: list[list[int]], a: str, b: str) -> dict[str, Any]:
+    """Prompts whose greedy tokens differ between methods `a` and `b`, with the gap between
+    the two chosen tokens' logits in a solo forward at the first differing token (near 0: a
+    floating-point tie that batch shapes may flip either way)."""
+    diffs: list[dict[str, Any]] = []
+    for i, (x, y) in enumerate(zip(gens.outputs[a], gens.outputs[b], strict=True)):
+        if x == y:
+            continue
+        first = next((j for j, (s, t) in enumerate(zip(x, y, strict=False)) if s != t), None)
+        if first is None:  # one stopped earlier with a common prefix: not a token choice
+            diffs.append({"prompt": i, "first_diff": min(len(x), len(y)), "gap": None})
+            continue
+        logits = gens.hf_model(torch.tensor([prompts[i] + x[:first]])).logits[0, -1]
+        gap = abs(float(logits[x[first]] - logits[y[first]]))
+        diffs.append({"prompt": i, "first_diff": first, "gap": gap, "tie": gap < TIE_GAP})
+    return {
+        "compared": len(prompts),
+        "identical": len(prompts) - len(diffs),
+        "mismatches": len(diffs),
+        "ties": sum(1 for d in diffs if d.get("tie")),
+        "details": diffs,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns (and prints with --json) the result."""
+    args = parse_args(argv)
+    common.setup_torch(args.threads)
+    tokenizer = loader.load_tokenizer("smollm2")
+    eos = int(tokenizer.eos_token_id)
+    prompts = common.sample(common.alpaca_prompts(tokenizer), args.num_prompts, args.seed)
+    gens = Generators(args, eos)
+    params = sum(p.numel() for p in gens.hf_model.parameters())
+    probe = common.MatmulProbe()
+    for method in args.methods:  # warm-up: first-call costs out of the timings
+        gens.call(method, prompts[:4])
+    common.log(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens")
+    timed: dict[str, Any] = {m: partial(gens.call, m, prompts) for m in args.methods}
+    timed["matmul_probe"] = probe  # the peak, measured between the methods
+    times = common.interleaved(timed, args.repeats, common.log)
+    peak_flops = probe.flops
+    prompt_tokens = sum(map(len, prompts))
+    result: dict[str, Any] = {
+        "benchmark": "generate",
+        "machine": common.machine(),
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "output")},
+        "num_prompts": len(prompts),
+        "prompt_tokens": prompt_tokens,
+        "params": params,
+        "matmul_peak_gflops": peak_flops / 1e9,
+        "matmul_samples_gflops": [f / 1e9 for f in probe.samples],
+        "methods": {},
+    }
+    for m in args.methods:
+        generated = sum(map(len, gens.outputs[m]))
+        seconds = common.median(times[m])
+        flops = 2 * params * (prompt_tokens + generated) / seconds
+        result["methods"][m] = {
+            "median_s": seconds,
+            "runs_s": times[m],
+            "generated_tokens": generated,
+            "generated_tokens_per_s": generated / seconds,
+            "achieved_gflops": flops / 1e9,
+            "fraction_of_matmul_peak": flops / peak_flops,
+        }
+    rates = {m: r["generated_tokens_per_s"] for m, r in result["methods"].items()}
+    if "raypack" in rates:
+        bar: dict[str, Any] = {}
+        if "hf_generate" in rates:
+            bar["speedup_vs_hf_generate"] = rates["raypack"] / rates["hf_generate"]
+            bar["meets_3x_hf_generate"] = bar["speedup_vs_hf_generate"] >= 3.0
+        if "hf_generate_batch" in rates:
+            bar["speedup_vs_generate_batch"] = rates["raypack"] / rates["hf_generate_batch"]
+            bar["faster_than_generate_batch"] = bar["speedup_vs_generate_batch"] > 1.0
+        result["bar"] = bar
+    if not args.no_check and "raypack" in gens.outputs:
+        result["greedy_check"] = {
+            f"raypack_vs_{m}": compare(gens, prompts, "raypack", m)
+            for m in ("hf_generate", "hf_generate_batch")
+            if m in gens.outputs
+        }
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    common.log(f"tokens/s: {rates}; bar: {result.get('bar')}")
+    common.emit(result, args.json, args.output)
+    return result
+
+
+if __name__ == "__main__":
+    main()
