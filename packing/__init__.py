@@ -5,7 +5,9 @@ and the online admission controller's rule. The names below are the public API.
 """
 
 from packing.admission import AdmissionConfig, AdmissionController, AdmissionDecision
+from packing.keys import block_hashes, prefix_key
 from packing.layout import FlatLayout, block_diagonal_causal_mask, flat_layout, slot_mapping
+from packing.ordering import order_groups
 from packing.prefix import PrefixGroup, group_prefixes, optimal_saving_ratio, saving_ratio
 
 __all__ = [
@@ -15,9 +17,12 @@ __all__ = [
     "FlatLayout",
     "PrefixGroup",
     "block_diagonal_causal_mask",
+    "block_hashes",
     "flat_layout",
     "group_prefixes",
     "optimal_saving_ratio",
+    "order_groups",
+    "prefix_key",
     "saving_ratio",
     "slot_mapping",
 ]
