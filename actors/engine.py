@@ -368,7 +368,6 @@ def _plan_groups(
         engine._next_id += 1
         state = PrefixGroupState(prefix=prefix_req, num_unfinished_members=len(members))
         prefix_req.group = state
-        engine.scheduler.add(prefix_req)
         for m in members:
             states[m] = state
     return states

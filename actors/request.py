@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class PrefixGroupState:
     """A prefix group inside the engine: the internal request that computes the shared
     prefix once, and how many members still need its blocks."""
@@ -39,7 +39,7 @@ class PrefixGroupState:
         return self.prefix.num_computed_tokens >= self.prefix.num_prompt_tokens
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: two requests may hold equal tokens
 class Request:
     """One sequence: prompt, generated tokens, computed-token count and block table.
 

@@ -62,6 +62,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request behind the others (planned order = arrival order)."""
+        assert request.status is RequestStatus.WAITING and not request.block_ids, request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -101,6 +102,7 @@ class Scheduler:
             if candidate is None:
                 break
             req = candidate
+            assert req.status is RequestStatus.WAITING and not req.block_ids, req.request_id
             shared, num_shared, copy_src = self._computed_prefix(req)
             num_new = min(req.num_tokens - num_shared, chunk, budget)
             fresh = self.kv.allocate(req, num_shared + num_new, shared)
