@@ -5,6 +5,7 @@ and the online admission controller's rule. The names below are the public API.
 """
 
 from packing.admission import AdmissionConfig, AdmissionController, AdmissionDecision
+from packing.bins import pack
 from packing.keys import block_hashes, prefix_key
 from packing.layout import FlatLayout, block_diagonal_causal_mask, flat_layout, slot_mapping
 from packing.ordering import order_groups
@@ -22,6 +23,7 @@ __all__ = [
     "group_prefixes",
     "optimal_saving_ratio",
     "order_groups",
+    "pack",
     "prefix_key",
     "saving_ratio",
     "slot_mapping",
