@@ -21,19 +21,23 @@ import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from packing.admission import AdmissionConfig  # noqa: E402
 from pipeline.serve.cli import add_admission_arguments, admission_from_args  # noqa: E402
 from pipeline.serve.replay import (  # noqa: E402
     HealthSample,
     Phase,
     Result,
     build_requests,
+    check_bar,
     read_trace,
     replay,
+    summarise,
 )
 
 logger = logging.getLogger("raypack.bench_serve")
@@ -76,9 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def policies(args: argparse.Namespace) -> dict[str, object]:
+def policies(args: argparse.Namespace) -> dict[str, AdmissionConfig]:
     """Label -> AdmissionConfig of every run."""
-    runs: dict[str, object] = {"immediate": admission_from_args(args, policy="immediate")}
+    runs: dict[str, AdmissionConfig] = {"immediate": admission_from_args(args, policy="immediate")}
     for window in filter(None, args.fixed.split(",")):
         n, ms = window.split(":")
         runs[f"fixed-{n}-{ms}ms"] = admission_from_args(
@@ -89,7 +93,7 @@ def policies(args: argparse.Namespace) -> dict[str, object]:
     return {label: config for label, config in runs.items() if label not in skip}
 
 
-def corpus_tokens(path: str, tokenizer) -> list[int]:  # noqa: ANN001
+def corpus_tokens(path: str, tokenizer: Any) -> list[int]:
     """One long token stream of real text (instruction, input and output of every record)."""
     records = json.loads(Path(path).read_text())
     text = "\n\n".join(
@@ -98,71 +102,9 @@ def corpus_tokens(path: str, tokenizer) -> list[int]:  # noqa: ANN001
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def summarise(
-    results: list[Result], phases: list[Phase], rounds: int
-) -> dict[str, dict[str, float]]:
-    """TTFT and latency percentiles and throughput per phase and overall (`results` pools
-    `rounds` replays of the same timeline)."""
-    out: dict[str, dict[str, float]] = {}
-    start = 0.0
-    bounds = {}
-    for phase in phases:
-        bounds[phase.name] = start
-        start += phase.duration_s
-    for name in [p.name for p in phases] + ["overall"]:
-        rows = [r for r in results if name == "overall" or r.phase == name]
-        ok = [r for r in rows if r.status == 200 and r.ttft_s is not None]
-        # a request unanswered within the drain bound counts as infinitely late
-        ttft = np.array([np.inf if r.ttft_s is None else r.ttft_s for r in rows])
-        e2e = np.array([np.inf if r.latency_s is None else r.latency_s for r in rows])
-        begin = 0.0 if name == "overall" else bounds[name]
-        end = max((r.finished_at_s or 0.0 for r in ok), default=begin + 1.0)
-        tokens = sum(r.output_tokens for r in ok)
-        out[name] = {
-            "requests": len(rows),
-            "completed": len(ok),
-            "ttft_p50_s": float(np.percentile(ttft, 50)),
-            "ttft_p95_s": float(np.percentile(ttft, 95)),
-            "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "ttft_mean_s": float(np.mean(ttft[np.isfinite(ttft)])) if ok else float("nan"),
-            "latency_p50_s": float(np.percentile(e2e, 50)),
-            "latency_p95_s": float(np.percentile(e2e, 95)),
-            "throughput_req_s": len(ok) / rounds / max(end - begin, 1e-9),
-            "throughput_tok_s": tokens / rounds / max(end - begin, 1e-9),
-        }
-    return out
-
-
-def bar(summary: dict[str, dict[str, dict[str, float]]], phases: list[Phase]) -> dict[str, object]:
-    """The issue's bar: aimd's overall p95 below every static policy's, and per phase within 10%
-    of the best static policy."""
-
-    def p95(label: str, level: str) -> float:
-        return summary[label][level]["ttft_p95_s"]
-
-    static = [label for label in summary if label != "aimd"]
-    if "aimd" not in summary or not static:
-        return {"checked": False}
-    overall = {label: p95(label, "overall") for label in summary}
-    per_phase = {}
-    for phase in phases:
-        best = min(p95(label, phase.name) for label in static)
-        per_phase[phase.name] = {
-            "aimd_p95_s": p95("aimd", phase.name),
-            "best_static_p95_s": best,
-            "within_10pct": p95("aimd", phase.name) <= 1.1 * best,
-        }
-    lower_overall = all(overall["aimd"] < overall[label] for label in static)
-    return {
-        "checked": True,
-        "overall_p95_s": overall,
-        "aimd_lowest_overall_p95": lower_overall,
-        "per_phase": per_phase,
-        "met": lower_overall and all(v["within_10pct"] for v in per_phase.values()),
-    }
-
-
-def plot(path: str, runs: dict, phases: list[Phase]) -> None:  # noqa: ANN001
+def plot(
+    path: str, runs: dict[str, tuple[list[Result], list[HealthSample]]], phases: list[Phase]
+) -> None:
     """TTFT of every request over its arrival time per policy; N_t of aimd below."""
     import matplotlib
 
@@ -212,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from actors.config import EngineConfig
     from actors.loader import load_tokenizer
-    from pipeline.serve import ServeConfig, build_app
+    from pipeline.serve.app import build_app
+    from pipeline.serve.config import ServeConfig
 
     phases = [
         Phase(n, float(r), float(d)) for n, r, d in (s.split(":") for s in args.phases.split(","))
@@ -237,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     base = f"http://127.0.0.1:{port}"
     runs: dict[str, tuple[list[Result], list[HealthSample]]] = {}
     configs = policies(args)
+    by_round: dict[str, list[dict[str, float]]] = {}
     ray.init(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -264,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info("round %d %s: %.0f s", round_index, label, time.monotonic() - started)
                 previous = runs.get(label, ([], []))
                 runs[label] = (previous[0] + results, previous[1] or samples)
+                by_round.setdefault(label, []).append(summarise(results, phases, 1)["overall"])
                 wait_idle(base)
     finally:
         serve.shutdown()
@@ -280,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "policies": {label: asdict(config) for label, config in configs.items()},
         "results": summary,
-        "bar": bar(summary, phases),
+        "bar": check_bar(summary, phases),
+        # the spread between rounds of one policy is the noise floor of this machine
+        "overall_ttft_p95_s_by_round": {
+            label: [r["ttft_p95_s"] for r in rounds] for label, rounds in by_round.items()
+        },
     }
     if args.png:
         plot(args.png, runs, phases)

@@ -129,6 +129,7 @@ class OpenAIDeployment:
             self._engine,
             self._admission,
             max_waiting=self._config.max_waiting,
+            max_running=self._config.engine.max_num_seqs,
             metrics=self._metrics,
         )
         self._loop.start()
@@ -165,8 +166,9 @@ def build_app(config: ServeConfig) -> Application:
     `serve.get_app_handle(name).reconfigure.remote({"admission": {...}})` (or set
     `user_config` in a `serve deploy` config file, which Serve applies in place).
     """
-    deployment = OpenAIDeployment.options(
+    deployment = OpenAIDeployment.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.num_cpus},
     )
-    return deployment.bind(config)
+    app: Application = deployment.bind(config)
+    return app

@@ -23,7 +23,7 @@ class StreamOptions(_Request):
     """Options for streamed responses."""
 
     include_usage: bool = Field(
-        False, description="Send a last chunk with the token usage before `data: [DONE]`."
+        default=False, description="Send a last chunk with the token usage before `data: [DONE]`."
     )
 
 
@@ -32,26 +32,28 @@ class _SamplingFields(_Request):
 
     model: str = Field(description="The served model's name (see GET /v1/models).")
     temperature: float | None = Field(
-        None, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy. Default 1."
+        default=None, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy. Default 1."
     )
     top_p: float | None = Field(
-        None, gt=0.0, le=1.0, description="Nucleus sampling: keep this probability mass."
+        default=None, gt=0.0, le=1.0, description="Nucleus sampling: keep this probability mass."
     )
     top_k: int | None = Field(
-        None, ge=-1, description="vLLM extension: keep the k most likely tokens (0 or -1: all)."
+        default=None,
+        ge=-1,
+        description="vLLM extension: keep the k most likely tokens (0 or -1: all).",
     )
     stop: str | list[str] | None = Field(
-        None, description="Up to 4 strings that end generation; they are cut from the text."
+        default=None, description="Up to 4 strings that end generation; they are cut from the text."
     )
-    seed: int | None = Field(None, description="Seed for sampling; same seed, same tokens.")
-    n: int = Field(1, ge=1, le=1, description="Number of choices; only 1 is supported.")
-    stream: bool = Field(False, description="Stream tokens as server-sent events.")
+    seed: int | None = Field(default=None, description="Seed for sampling; same seed, same tokens.")
+    n: int = Field(default=1, ge=1, le=1, description="Number of choices; only 1 is supported.")
+    stream: bool = Field(default=False, description="Stream tokens as server-sent events.")
     stream_options: StreamOptions | None = Field(
-        None, description="Streaming options (only with stream=true)."
+        default=None, description="Streaming options (only with stream=true)."
     )
-    user: str | None = Field(None, description="An end-user id; accepted and ignored.")
+    user: str | None = Field(default=None, description="An end-user id; accepted and ignored.")
     ignore_eos: bool = Field(
-        False, description="vLLM extension: keep generating past the end-of-sequence token."
+        default=False, description="vLLM extension: keep generating past the end-of-sequence token."
     )
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -68,7 +70,7 @@ class CompletionRequest(_SamplingFields):
         description="The prompt: text or token ids (a list holding one prompt is accepted)."
     )
     max_tokens: int | None = Field(
-        None, ge=1, description="Tokens to generate at most. Default 16."
+        default=None, ge=1, description="Tokens to generate at most. Default 16."
     )
 
 
@@ -86,7 +88,7 @@ class ChatMessage(_Request):
         description="Who wrote the message."
     )
     content: str | list[TextPart] = Field(description="The message text, or its text parts.")
-    name: str | None = Field(None, description="An optional participant name; ignored.")
+    name: str | None = Field(default=None, description="An optional participant name; ignored.")
 
     def text(self) -> str:
         """The content as one string."""
@@ -102,10 +104,10 @@ class ChatCompletionRequest(_SamplingFields):
         min_length=1, description="The conversation so far; the model's chat template is applied."
     )
     max_tokens: int | None = Field(
-        None, ge=1, description="Tokens to generate at most (deprecated name by OpenAI)."
+        default=None, ge=1, description="Tokens to generate at most (deprecated name by OpenAI)."
     )
     max_completion_tokens: int | None = Field(
-        None, ge=1, description="Tokens to generate at most. Default: the server's limit."
+        default=None, ge=1, description="Tokens to generate at most. Default: the server's limit."
     )
 
 
@@ -129,7 +131,7 @@ class CompletionChoice(BaseModel):
 
     index: int = Field(description="The choice's position; always 0 here.")
     text: str = Field(description="The generated text (in a stream: the new text only).")
-    logprobs: None = Field(None, description="Not supported; always null.")
+    logprobs: None = Field(default=None, description="Not supported; always null.")
     finish_reason: FinishReason | None = Field(
         description="stop (end of sequence or a stop string) or length; null while streaming."
     )
@@ -139,17 +141,17 @@ class CompletionResponse(BaseModel):
     """The body of a completion, or one streamed chunk of it."""
 
     id: str = Field(description="The request id (cmpl-...).")
-    object: Literal["text_completion"] = Field("text_completion", description="The type.")
+    object: Literal["text_completion"] = Field(default="text_completion", description="The type.")
     created: int = Field(description="Unix time the request arrived.")
     model: str = Field(description="The served model's name.")
     choices: list[CompletionChoice] = Field(description="The completions.")
-    usage: Usage | None = Field(None, description="Token counts (null in stream chunks).")
+    usage: Usage | None = Field(default=None, description="Token counts (null in stream chunks).")
 
 
 class ResponseMessage(BaseModel):
     """The assistant's message in a chat completion."""
 
-    role: Literal["assistant"] = Field("assistant", description="Always assistant.")
+    role: Literal["assistant"] = Field(default="assistant", description="Always assistant.")
     content: str = Field(description="The generated text.")
 
 
@@ -158,7 +160,7 @@ class ChatChoice(BaseModel):
 
     index: int = Field(description="The choice's position; always 0 here.")
     message: ResponseMessage = Field(description="The generated message.")
-    logprobs: None = Field(None, description="Not supported; always null.")
+    logprobs: None = Field(default=None, description="Not supported; always null.")
     finish_reason: FinishReason = Field(description="stop or length.")
 
 
@@ -166,7 +168,7 @@ class ChatCompletionResponse(BaseModel):
     """The body of a chat completion."""
 
     id: str = Field(description="The request id (chatcmpl-...).")
-    object: Literal["chat.completion"] = Field("chat.completion", description="The type.")
+    object: Literal["chat.completion"] = Field(default="chat.completion", description="The type.")
     created: int = Field(description="Unix time the request arrived.")
     model: str = Field(description="The served model's name.")
     choices: list[ChatChoice] = Field(description="The choices.")
@@ -176,8 +178,10 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     """What a stream chunk adds to the assistant's message."""
 
-    role: Literal["assistant"] | None = Field(None, description="Set in the first chunk only.")
-    content: str | None = Field(None, description="New text.")
+    role: Literal["assistant"] | None = Field(
+        default=None, description="Set in the first chunk only."
+    )
+    content: str | None = Field(default=None, description="New text.")
 
 
 class ChatStreamChoice(BaseModel):
@@ -185,8 +189,8 @@ class ChatStreamChoice(BaseModel):
 
     index: int = Field(description="The choice's position; always 0 here.")
     delta: DeltaMessage = Field(description="The new part of the message.")
-    logprobs: None = Field(None, description="Not supported; always null.")
-    finish_reason: FinishReason | None = Field(None, description="Set in the last chunk.")
+    logprobs: None = Field(default=None, description="Not supported; always null.")
+    finish_reason: FinishReason | None = Field(default=None, description="Set in the last chunk.")
 
 
 class ChatCompletionChunk(BaseModel):
@@ -194,28 +198,28 @@ class ChatCompletionChunk(BaseModel):
 
     id: str = Field(description="The request id (chatcmpl-...), the same in every chunk.")
     object: Literal["chat.completion.chunk"] = Field(
-        "chat.completion.chunk", description="The type."
+        default="chat.completion.chunk", description="The type."
     )
     created: int = Field(description="Unix time the request arrived.")
     model: str = Field(description="The served model's name.")
     choices: list[ChatStreamChoice] = Field(description="Empty in the usage chunk.")
-    usage: Usage | None = Field(None, description="Token counts, in the usage chunk only.")
+    usage: Usage | None = Field(default=None, description="Token counts, in the usage chunk only.")
 
 
 class ModelCard(BaseModel):
     """One served model."""
 
     id: str = Field(description="The name to pass as `model`.")
-    object: Literal["model"] = Field("model", description="The type.")
+    object: Literal["model"] = Field(default="model", description="The type.")
     created: int = Field(description="Unix time the server started.")
-    owned_by: str = Field("raypack", description="Who serves it.")
+    owned_by: str = Field(default="raypack", description="Who serves it.")
     max_model_len: int = Field(description="Context length: prompt plus generated tokens.")
 
 
 class ModelList(BaseModel):
     """GET /v1/models."""
 
-    object: Literal["list"] = Field("list", description="The type.")
+    object: Literal["list"] = Field(default="list", description="The type.")
     data: list[ModelCard] = Field(description="The served models.")
 
 
@@ -224,8 +228,10 @@ class ErrorDetail(BaseModel):
 
     message: str = Field(description="What went wrong, in words.")
     type: str = Field(description="invalid_request_error, authentication_error, ...")
-    param: str | None = Field(None, description="The request field at fault, when one is.")
-    code: str | None = Field(None, description="A machine-readable code, when there is one.")
+    param: str | None = Field(default=None, description="The request field at fault, when one is.")
+    code: str | None = Field(
+        default=None, description="A machine-readable code, when there is one."
+    )
 
 
 class ErrorResponse(BaseModel):
@@ -237,7 +243,9 @@ class ErrorResponse(BaseModel):
 class HealthResponse(BaseModel):
     """GET /health."""
 
-    status: Literal["ok"] = Field("ok", description="The replica and its step loop are alive.")
+    status: Literal["ok"] = Field(
+        default="ok", description="The replica and its step loop are alive."
+    )
     waiting: int = Field(description="Requests in the staging queue.")
     running: int = Field(description="Requests admitted to the engine and not yet finished.")
     policy: str = Field(description="The admission policy: immediate, fixed or aimd.")

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 
@@ -196,8 +198,84 @@ async def replay(
     return results, samples
 
 
+def summarise(
+    results: list[Result], phases: list[Phase], rounds: int
+) -> dict[str, dict[str, float]]:
+    """TTFT and latency percentiles and throughput per phase and overall (`results` pools
+    `rounds` replays of the same timeline)."""
+    out: dict[str, dict[str, float]] = {}
+    start = 0.0
+    bounds = {}
+    for phase in phases:
+        bounds[phase.name] = start
+        start += phase.duration_s
+    for name in [p.name for p in phases] + ["overall"]:
+        rows = [r for r in results if name == "overall" or r.phase == name]
+        ok = [r for r in rows if r.status == 200 and r.ttft_s is not None]
+        # a request unanswered within the drain bound counts as infinitely late
+        ttft = np.array([np.inf if r.ttft_s is None else r.ttft_s for r in rows])
+        e2e = np.array([np.inf if r.latency_s is None else r.latency_s for r in rows])
+        begin = 0.0 if name == "overall" else bounds[name]
+        end = max((r.finished_at_s or 0.0 for r in ok), default=begin + 1.0)
+        tokens = sum(r.output_tokens for r in ok)
+        out[name] = {
+            "requests": len(rows),
+            "completed": len(ok),
+            "ttft_p50_s": _percentile(ttft, 50),
+            "ttft_p95_s": _percentile(ttft, 95),
+            "ttft_p99_s": _percentile(ttft, 99),
+            "ttft_mean_s": float(np.mean(ttft[np.isfinite(ttft)])) if ok else float("nan"),
+            "latency_p50_s": _percentile(e2e, 50),
+            "latency_p95_s": _percentile(e2e, 95),
+            "throughput_req_s": len(ok) / rounds / max(end - begin, 1e-9),
+            "throughput_tok_s": tokens / rounds / max(end - begin, 1e-9),
+        }
+    return out
+
+
+def check_bar(
+    summary: dict[str, dict[str, dict[str, float]]], phases: list[Phase]
+) -> dict[str, object]:
+    """The issue's bar: aimd's overall p95 below every static policy's, and per phase within 10%
+    of the best static policy."""
+
+    def p95(label: str, level: str) -> float:
+        return summary[label][level]["ttft_p95_s"]
+
+    static = [label for label in summary if label != "aimd"]
+    if "aimd" not in summary or not static:
+        return {"checked": False}
+    overall = {label: p95(label, "overall") for label in summary}
+    per_phase = {}
+    for phase in phases:
+        best = min(p95(label, phase.name) for label in static)
+        per_phase[phase.name] = {
+            "aimd_p95_s": p95("aimd", phase.name),
+            "best_static_p95_s": best,
+            "within_10pct": p95("aimd", phase.name) <= 1.1 * best,
+        }
+    lower_overall = all(overall["aimd"] < overall[label] for label in static)
+    return {
+        "checked": True,
+        "overall_p95_s": overall,
+        "aimd_lowest_overall_p95": lower_overall,
+        "per_phase": per_phase,
+        "met": lower_overall and all(v["within_10pct"] for v in per_phase.values()),
+    }
+
+
 def _completion_tokens(line: str) -> int:
     import json
 
     usage = json.loads(line[len("data: ") :]).get("usage") or {}
     return int(usage.get("completion_tokens", 0))
+
+
+def _percentile(values: np.ndarray, q: float) -> float:
+    """numpy's percentile, where unanswered requests (inf) make any rank they reach inf."""
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return float("inf")
+    big = float(finite.max()) + 1.0
+    result = float(np.percentile(np.where(np.isfinite(values), values, big * 1e9), q))
+    return result if result <= big - 1.0 else float("inf")

@@ -80,7 +80,7 @@ class OpenAIService:
         if isinstance(prompt, str):
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))  # as the engine
         else:
-            ids = [int(t) for t in prompt]  # type: ignore[union-attr]
+            ids = [int(t) for t in prompt]
             vocab = self.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:

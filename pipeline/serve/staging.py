@@ -114,12 +114,16 @@ class EngineLoop:
         admission: AdmissionConfig,
         *,
         max_waiting: int,
+        max_running: int | None = None,
         metrics: ServeMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
         self.controller = AdmissionController(admission)
         self.max_waiting = max_waiting
+        # Requests in the engine at most; the rest wait here, so the staging queue is the only
+        # queue and its bound (429 beyond) holds whatever the policy.
+        self.max_running = max_running
         self._metrics = metrics
         self._clock = clock
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
@@ -209,14 +213,17 @@ class EngineLoop:
         """Hand the admitted group to the engine; return when to ask again if nothing changes."""
         oldest = next(iter(self._waiting.values())).arrival if self._waiting else None
         decision = self.controller.decide(self._clock(), len(self._waiting), oldest)
-        for _ in range(decision.count):
+        count = decision.count
+        if self.max_running is not None:
+            count = min(count, max(0, self.max_running - len(self._running)))
+        for _ in range(count):
             _, request = self._waiting.popitem(last=False)
             self.engine.add_request(request.prompt_token_ids, request.params, request.request_id)
             self._running[request.request_id] = request
-        if decision.count and logger.isEnabledFor(logging.DEBUG):
+        if count and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "admitted %d (%s), N_t=%d",
-                decision.count,
+                count,
                 decision.reason,
                 self.controller.threshold,
             )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.serve.replay import Phase, build_requests, read_trace
+from pipeline.serve.replay import Phase, Result, build_requests, check_bar, read_trace, summarise
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "azure_llm_trace_2023_conv.csv"
 
@@ -41,3 +41,26 @@ def test_phases_scale_the_trace_to_their_rates() -> None:
             trace[:5], phases, corpus, length_scale=1, output_scale=1,
             max_prompt_tokens=8, max_output_tokens=8,
         )  # fmt: skip
+
+
+def test_summary_counts_unanswered_requests_as_infinitely_late_and_checks_the_bar() -> None:
+    phases = [Phase("low", 1.0, 10.0), Phase("high", 2.0, 10.0)]
+
+    def results(ttfts: list[float | None]) -> list[Result]:
+        return [
+            Result(float(i), "low" if i < 10 else "high", 200 if t is not None else 0, t,
+                   None if t is None else t + 1, 4 if t is not None else 0,
+                   None if t is None else i + t + 1)
+            for i, t in enumerate(ttfts)
+        ]  # fmt: skip
+
+    fast = summarise(results([0.1] * 20), phases, 1)
+    assert fast["overall"]["completed"] == 20 and fast["low"]["ttft_p95_s"] == pytest.approx(0.1)
+    assert fast["overall"]["throughput_tok_s"] > 0
+    lossy = summarise(results([0.1] * 18 + [None, None]), phases, 1)
+    assert lossy["high"]["completed"] == 8 and lossy["high"]["ttft_p95_s"] == float("inf")
+    slow = summarise(results([0.5] * 20), phases, 1)
+    verdict = check_bar({"immediate": slow, "aimd": fast}, phases)
+    assert verdict["met"] is True and verdict["aimd_lowest_overall_p95"] is True
+    verdict = check_bar({"immediate": fast, "aimd": slow}, phases)
+    assert verdict["met"] is False

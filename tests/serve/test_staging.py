@@ -189,3 +189,22 @@ def test_ttfts_feed_the_controller() -> None:
         await loop.stop()
 
     run(main())
+
+
+def test_engine_capacity_keeps_the_rest_in_staging() -> None:
+    async def main() -> None:
+        engine = FakeEngine()
+        loop = EngineLoop(engine, AdmissionConfig(policy="immediate"), max_waiting=3, max_running=2)
+        loop.start()
+        params = SamplingParams(max_tokens=3)
+        streams = [loop.submit([i], params) for i in range(3)]
+        await asyncio.sleep(0)  # one loop turn: two enter the engine, one stays in staging
+        assert (loop.num_running, loop.num_waiting) == (2, 1)
+        streams += [loop.submit([i], params) for i in range(2)]
+        with pytest.raises(QueueFullError):  # the staging queue is the bound, whatever the policy
+            loop.submit([9], params)
+        await asyncio.gather(*(collect(s) for s in streams))
+        assert max(len(g) for g in engine.admitted_groups) <= 2
+        await loop.stop()
+
+    run(main())
