@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,21 +78,49 @@ def sample(prompts: Sequence[list[int]], count: int, seed: int) -> list[list[int
     return [prompts[int(i)] for i in rng.choice(len(prompts), size=count, replace=False)]
 
 
+@dataclass
+class Timings:
+    """Wall and CPU seconds of one method's runs.
+
+    On a shared machine a run's wall time includes the time it was descheduled (single runs
+    swing 2-5x here); the process CPU time (all its threads) counts only the work it did, so
+    with one torch thread it is the steadier measure of compute. Both are reported.
+    """
+
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """Medians, minima and the runs."""
+        return {
+            "median_wall_s": median(self.wall),
+            "median_cpu_s": median(self.cpu),
+            "min_wall_s": min(self.wall),
+            "min_cpu_s": min(self.cpu),
+            "runs_wall_s": [round(t, 4) for t in self.wall],
+            "runs_cpu_s": [round(t, 4) for t in self.cpu],
+        }
+
+
 def interleaved(
     methods: dict[str, Callable[[], Any]], repeats: int, log: Callable[[str], None] | None = None
-) -> dict[str, list[float]]:
-    """Wall seconds of each method, `repeats` times, interleaved with a rotating order so a
-    slow stretch of the machine hits every method alike."""
+) -> dict[str, Timings]:
+    """Time each method `repeats` times, interleaved with a rotating order so a slow stretch
+    of the machine hits every method alike."""
     names = list(methods)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times = {name: Timings() for name in names}
     for rep in range(repeats):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
-            started = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             methods[name]()
-            times[name].append(time.perf_counter() - started)
+            times[name].wall.append(time.perf_counter() - wall)
+            times[name].cpu.append(time.process_time() - cpu)
             if log is not None:
-                log(f"  rep {rep + 1}/{repeats} {name}: {times[name][-1]:.3f} s")
+                log(
+                    f"  rep {rep + 1}/{repeats} {name}: {times[name].wall[-1]:.3f} s wall, "
+                    f"{times[name].cpu[-1]:.3f} s cpu"
+                )
     return times
 
 
@@ -101,31 +130,31 @@ def median(values: Sequence[float]) -> float:
 
 
 class MatmulProbe:
-    """The machine's practical fp32 peak: FLOP/s of a large square matmul. Call it between
-    the timed methods (the load of a shared machine changes by the minute) and take the
-    median of `samples`."""
+    """The machine's practical fp32 peak: FLOP/s of a large square matmul, by wall and by CPU
+    time. Call it between the timed methods (the load of a shared machine changes by the
+    minute); `flops(clock)` is the median of the measurements."""
 
     def __init__(self, size: int = 2048, repeats: int = 3) -> None:
         self.a = torch.randn(size, size)
         self.b = torch.randn(size, size)
         self.repeats = repeats
-        self.samples: list[float] = []
+        self.samples: dict[str, list[float]] = {"wall": [], "cpu": []}
         torch.mm(self.a, self.b)  # warm up
 
-    def __call__(self) -> float:
-        """Measure once more (best of `repeats` matmuls); returns FLOP/s."""
-        best = float("inf")
+    def __call__(self) -> None:
+        """Measure once more: the best of `repeats` matmuls, per clock."""
+        best = {"wall": float("inf"), "cpu": float("inf")}
         for _ in range(self.repeats):
-            started = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             torch.mm(self.a, self.b)
-            best = min(best, time.perf_counter() - started)
-        self.samples.append(2 * self.a.shape[0] ** 3 / best)
-        return self.samples[-1]
+            best["wall"] = min(best["wall"], time.perf_counter() - wall)
+            best["cpu"] = min(best["cpu"], time.process_time() - cpu)
+        for clock, seconds in best.items():
+            self.samples[clock].append(2 * self.a.shape[0] ** 3 / max(seconds, 1e-9))
 
-    @property
-    def flops(self) -> float:
-        """Median of the measurements so far."""
-        return median(self.samples)
+    def flops(self, clock: str) -> float:
+        """Median FLOP/s so far by `clock` ("wall" or "cpu")."""
+        return median(self.samples[clock])
 
 
 # ---- peak memory --------------------------------------------------------------------------
