@@ -134,9 +134,9 @@ def solo_prefill(model: Any, prompts: Sequence[Sequence[int]]) -> PrefillResult:
 
 
 def prefill(
-    model: Any, prompts: Sequence[Sequence[int]], mode: PrefillMode, **options: Any
+    model: Any, prompts: Sequence[Sequence[int]], mode: PrefillMode | str, **options: Any
 ) -> PrefillResult:
-    """Dispatch to `padded_prefill` or `prepack_prefill` by mode name."""
+    """Dispatch to `padded_prefill` or `prepack_prefill` by mode name (`EngineConfig.mode`)."""
     if mode == "padded":
         return padded_prefill(model, prompts, **options)
     if mode == "prepack":
