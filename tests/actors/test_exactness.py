@@ -10,7 +10,13 @@ import torch
 from actors import SamplingParams
 from packing.layout import token_slots
 from tests.actors.groups import prefix_groups_for, shared_prefix_prompts
-from tests.actors.reference import assert_greedy_match, hf_greedy, torch_threads
+from tests.actors.reference import (
+    alpaca_prompt,
+    alpaca_records,
+    assert_greedy_match,
+    hf_greedy,
+    torch_threads,
+)
 
 ARCHS = ("llama", "qwen2", "mistral")
 MAX_TOKENS = 12
@@ -140,3 +146,18 @@ def test_packed_prefill_kv_equals_solo_kv(
             v = v_cache.view(-1, heads, dim)[slots].transpose(0, 1)
             torch.testing.assert_close(k, solo.layers[layer].keys[0], atol=1e-5, rtol=0)
             torch.testing.assert_close(v, solo.layers[layer].values[0], atol=1e-5, rtol=0)
+
+
+def test_many_concurrent_decodes_span_several_attention_chunks(make_engine, reference_models):
+    from actors.attention import DECODE_CHUNK
+
+    records = alpaca_records(3 * DECODE_CHUNK, start=100)
+    engine = make_engine("llama", num_kv_blocks=512)
+    prompts = [
+        engine.tokenizer.encode(alpaca_prompt(r), add_special_tokens=False)[:40] for r in records
+    ]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=6))
+    with torch_threads(1):
+        for ids, out in zip(prompts, outputs, strict=True):
+            expected = hf_greedy(reference_models["llama"], ids, 6)
+            assert_greedy_match(reference_models["llama"], ids, out.token_ids, expected)
