@@ -9,7 +9,13 @@ from packing.bins import pack
 from packing.keys import block_hashes, prefix_key
 from packing.layout import FlatLayout, block_diagonal_causal_mask, flat_layout, slot_mapping
 from packing.ordering import order_groups
-from packing.prefix import PrefixGroup, group_prefixes, optimal_saving_ratio, saving_ratio
+from packing.prefix import (
+    PrefixGroup,
+    group_prefixes,
+    one_level_optimal_saving_ratio,
+    optimal_saving_ratio,
+    saving_ratio,
+)
 
 __all__ = [
     "AdmissionConfig",
@@ -21,6 +27,7 @@ __all__ = [
     "block_hashes",
     "flat_layout",
     "group_prefixes",
+    "one_level_optimal_saving_ratio",
     "optimal_saving_ratio",
     "order_groups",
     "pack",

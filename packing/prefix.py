@@ -82,17 +82,14 @@ def group_prefixes(seqs: Seqs, min_shared: int = 1) -> list[PrefixGroup]:
     order = sort_sequences(table)
     lcp = neighbour_lcp(table, order)
     tree = radix_tree(lcp.tolist(), n)
-    heads = enlarge_first_level(tree, min_shared)
+    head = np.asarray(enlarge_first_level(tree, min_shared), dtype=np.int64)
 
-    # Label each sorted position with its head; split-off heads come after their parents,
-    # so their labels overwrite the parent's on their own ranges.
-    label = np.full(n, -1, dtype=np.int64)
-    for h, v in enumerate(heads):
-        label[tree.lo[v] : tree.hi[v] + 1] = h
+    # Each sequence joins the group of the node it hangs from (-1: above the first level).
+    label = head[np.asarray(tree.owner, dtype=np.int64)]
     positions = np.arange(n, dtype=np.int64)
-    size = np.bincount(label[label >= 0], minlength=len(heads) + 1)  # +1: never empty
+    size = np.bincount(label[label >= 0], minlength=head.shape[0])
     shared = (label >= 0) & (size[np.maximum(label, 0)] >= 2)
-    group_id = np.where(shared, label, len(heads) + positions)
+    group_id = np.where(shared, label, head.shape[0] + positions)
     _, first, inverse = np.unique(group_id, return_index=True, return_inverse=True)
     rank = np.empty_like(first)
     rank[np.argsort(first, kind="stable")] = np.arange(first.shape[0])
@@ -126,28 +123,64 @@ def group_prefixes(seqs: Seqs, min_shared: int = 1) -> list[PrefixGroup]:
 
 
 def enlarge_first_level(tree: RadixTree, min_shared: int) -> list[int]:
-    """BatchLLM's Algorithm 1 on `tree`: the group heads, each before any head split from it.
+    """BatchLLM's Algorithm 1 on `tree`; returns, for every node, the group it joins or -1.
 
-    The first-level nodes are the shallowest nodes at depth >= min_shared. For each head c
-    (first-level, or split off earlier), a child g is split off into its own head when
-    (leaves(g) - 1) * (depth(g) - depth(c)) > depth(c). A leaf never qualifies (one leaf).
+    A dynamic program over the tree, bottom-up: at each node v, every child u is examined,
+    and each of u's children w is forked off u and merged up into v (its tokens then count
+    from v) when (leaves(w) - 1) * tokens(w) > tokens(u), tokens being a node's own edge
+    length; a node merged up (or a node that took its emptied parent's place) is examined
+    as v's child in turn. At the top, v is a virtual root over the first-level nodes (the
+    shallowest at depth >= min_shared), whose final children are the groups. Applied at
+    the root's children only, the rule kept 69% of the best one-level saving on HH-RLHF;
+    bottom-up it keeps 99.99%, because pairs of prompts that share a long conversation
+    sit several levels below the first level.
     """
-    kids = tree.children()
-    depth = tree.depth
-    heads: list[int] = []
+    depth, orig = tree.depth, tree.children()
+    root = len(depth)  # the virtual root
+    depth = [*depth, 0]
+    leaves = [tree.hi[v] - tree.lo[v] + 1 for v in range(root)]
+    own = leaves[:]  # sequences hanging from the node itself
+    for v in range(1, root):
+        own[tree.parent[v]] -= leaves[v]
+    first_level: list[int] = []
     frontier = [0]
-    while frontier:  # descend from the root to the first level
+    while frontier:
         v = frontier.pop()
         if depth[v] >= min_shared:
-            heads.append(v)
+            first_level.append(v)
         else:
-            frontier.extend(kids[v])
-    heads.sort(key=tree.lo.__getitem__)
-    for c in heads:  # `heads` grows while we walk it: split-off nodes are examined in turn
-        for g in kids[c]:
-            if (tree.leaves(g) - 1) * (depth[g] - depth[c]) > depth[c]:
-                heads.append(g)
-    return heads
+            frontier.extend(orig[v])
+    kids = [*orig, first_level]
+    below = [v for v in range(root) if depth[v] >= min_shared]
+    below.sort(key=depth.__getitem__, reverse=True)  # descendants are deeper: bottom-up
+    for v in [*below, root]:
+        todo, kept = list(kids[v]), []
+        while todo:
+            u = todo.pop()
+            cost = depth[u] - depth[v]
+            stay = []
+            for w in kids[u]:
+                if (leaves[w] - 1) * (depth[w] - depth[u]) > cost:
+                    leaves[u] -= leaves[w]
+                    todo.append(w)
+                else:
+                    stay.append(w)
+            if own[u] == 0 and len(stay) <= 1:
+                # u holds no sequence of its own: it disappears, its only child takes its place
+                kids[u] = []
+                todo.extend(stay)
+            else:
+                kids[u] = stay
+                kept.append(u)
+        kids[v] = kept
+    group = [-1] * (root + 1)
+    for g in kids[root]:
+        todo = [g]
+        while todo:
+            v = todo.pop()
+            group[v] = g
+            todo.extend(kids[v])
+    return group[:root]
 
 
 def _lengths(seqs: Seqs) -> list[int]:
@@ -200,3 +233,38 @@ def optimal_saving_ratio(seqs: Seqs) -> float:
         return 0.0
     lcp = neighbour_lcp(table, sort_sequences(table))
     return float(lcp.sum()) / total
+
+
+def one_level_optimal_saving_ratio(seqs: Seqs) -> float:
+    """The best saving ratio any one-level grouping can reach: a bound for group_prefixes.
+
+    The maximum over all partitions of the rows into groups of sum (|g| - 1) * LCP(g), over
+    the total tokens, by a DP over the radix tree: F(v, d) is the best saving inside v's
+    subtree when the rows not grouped below v join an enclosing group of depth d; v either
+    heads a group or not. Where sharing is many-levelled (conversations) this is well below
+    optimal_saving_ratio, which computes every distinct prefix once. Costs O(nodes x tree
+    height) Python work: meant for benchmarks and reports, not for the planner's hot path.
+    """
+    table = token_table(seqs)
+    total, n = table.num_tokens, table.num_seqs
+    if total == 0 or n < 2:
+        return 0.0
+    tree = radix_tree(neighbour_lcp(table, sort_sequences(table)).tolist(), n)
+    depth, kids = tree.depth, tree.children()
+    own = [tree.hi[v] - tree.lo[v] + 1 for v in range(len(depth))]
+    for v in range(1, len(depth)):
+        own[tree.parent[v]] -= tree.hi[v] - tree.lo[v] + 1
+    nodes = sorted(range(len(depth)), key=depth.__getitem__)  # parents before children
+    chain: list[list[int]] = [[] for _ in nodes]  # depths of a node's proper ancestors
+    for v in nodes[1:]:
+        chain[v] = [*chain[tree.parent[v]], depth[tree.parent[v]]]
+    best: list[list[int]] = [[] for _ in nodes]  # best[v][i]: enclosing group at chain[v][i]
+    for v in reversed(nodes[1:]):  # the root (depth 0) never helps as a head
+        k = len(chain[v])  # children index their chain at k for v's own depth
+        head = (own[v] - 1) * depth[v] + sum(best[u][k] for u in kids[v])
+        best[v] = [
+            max(head, own[v] * d + sum(best[u][i] for u in kids[v])) for i, d in enumerate(chain[v])
+        ]
+        for u in kids[v]:
+            best[u] = []
+    return sum(best[u][0] for u in kids[0]) / total

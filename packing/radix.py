@@ -141,12 +141,14 @@ class RadixTree:
     Node v covers the sorted positions lo[v]..hi[v] (inclusive), i.e. the sequences sharing
     its first depth[v] tokens. Leaves are the sequences themselves and are not stored; a
     sequence that ends exactly at a node (its whole length shared) is a leaf with no tokens.
+    owner[p] is the deepest node covering sorted position p: the node the leaf hangs from.
     """
 
     depth: list[int]
     lo: list[int]
     hi: list[int]
     parent: list[int]
+    owner: list[int]
 
     def children(self) -> list[list[int]]:
         """Internal children of every node, in sorted (left to right) order."""
@@ -166,6 +168,8 @@ def radix_tree(lcp: Sequence[int], num_seqs: int) -> RadixTree:
     """The LCP-interval tree of `num_seqs` sorted sequences (one stack walk, O(n))."""
     depth, lo, hi, parent = [0], [0], [max(num_seqs - 1, 0)], [-1]
     stack = [0]
+    # top[j] = deepest open node covering positions j-1 and j once boundary j is done.
+    top = [0]
     for j, d in enumerate([*lcp, 0], start=1):  # d = LCP of sorted positions j-1 and j
         last = -1
         while depth[stack[-1]] > d:
@@ -180,4 +184,7 @@ def radix_tree(lcp: Sequence[int], num_seqs: int) -> RadixTree:
             if last >= 0:
                 parent[last] = len(depth) - 1
             stack.append(len(depth) - 1)
-    return RadixTree(depth, lo, hi, parent)
+        top.append(stack[-1])
+    # A leaf hangs from the deeper of the nodes shared with its left and right neighbours.
+    owner = [a if depth[a] >= depth[b] else b for a, b in zip(top[:-1], top[1:], strict=True)]
+    return RadixTree(depth, lo, hi, parent, owner)
