@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,20 +159,25 @@ def build_dataset(
     )
     # One shard per block, so one actor task is one shard: an actor that dies redoes only it.
     ds = ds.repartition(target_num_rows_per_block=1)
-    return ds.map_batches(
-        infer_cls,
-        fn_constructor_kwargs=dict(
-            engine_config=config.engine,
-            sampling=config.sampling,
-            text_column=config.text_column,
-            keep_columns=keep,
-            torch_threads=compute.torch_threads,
-        ),
-        batch_format="pyarrow",
-        batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=compute.num_actors),
-        **engine_actor_args(config),
-    )
+    with warnings.catch_warnings():
+        # max_restarts / max_task_retries have no named parameter in map_batches (2.60), and
+        # Ray Data's default is to retry forever: a shard that kills its actor every time
+        # would never end the job. Bounded retries are worth the deprecation warning.
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        return ds.map_batches(
+            infer_cls,
+            fn_constructor_kwargs=dict(
+                engine_config=config.engine,
+                sampling=config.sampling,
+                text_column=config.text_column,
+                keep_columns=keep,
+                torch_threads=compute.torch_threads,
+            ),
+            batch_format="pyarrow",
+            batch_size=1,
+            compute=ray.data.ActorPoolStrategy(size=compute.num_actors),
+            **engine_actor_args(config),
+        )
 
 
 def engine_actor_args(config: JobConfig) -> dict:
@@ -194,12 +200,39 @@ def engine_actor_args(config: JobConfig) -> dict:
     return args
 
 
-def run_job(config: JobConfig, *, infer_cls: type[InferStage] = InferStage) -> Summary:
+def check_cpu_room(config: JobConfig, cluster_cpus: float) -> None:
+    """ValueError when the actor pools would leave no whole CPU free.
+
+    Ray Data lists input files in a task that asks for one whole CPU, and the actor pools take
+    their CPUs first: with none left whole the job waits forever without an error (on a
+    2-core machine, two engine actors of one CPU each do this). This checks the cluster's
+    total; on many small nodes keep one CPU free on some node (or give the head node more).
+    """
+    compute = config.compute
+    held = (
+        compute.num_actors * compute.num_cpus_per_actor
+        + compute.num_tokenize_actors * compute.tokenize_num_cpus
+    )
+    if cluster_cpus - held < 1:
+        raise ValueError(
+            f"the engine and tokenizer actors hold {held:g} of the cluster's {cluster_cpus:g} "
+            "CPUs; Ray Data needs one whole CPU free for its read tasks or the job hangs. "
+            "Lower --num-cpus-per-actor or --num-actors."
+        )
+
+
+def run_job(
+    config: JobConfig,
+    *,
+    prepared: PreparedJob | None = None,
+    infer_cls: type[InferStage] = InferStage,
+) -> Summary:
     """Run the whole job into `config.output` (resuming what is there) and report."""
     import ray
 
     started = time.perf_counter()
-    prepared = prepare(config)
+    prepared = prepared or prepare(config)
+    check_cpu_room(config, ray.cluster_resources().get("CPU", 0))
     state = scan_output(config.output)
     Path(config.output).mkdir(parents=True, exist_ok=True)
     before = {str(p) for p in data_files(config.output)}

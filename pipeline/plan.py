@@ -72,8 +72,9 @@ class PlanStats:
 def group_rows(
     token_ids: Sequence[Sequence[int]], keys: Sequence[int | None], grouping: bool
 ) -> list[PlannedGroup]:
-    """Prefix groups over valid rows: `packing.group_prefixes` inside each prefix key; rows
-    with no key (or with grouping off) are groups of one."""
+    """Prefix groups over valid rows: `packing.group_prefixes` (BatchLLM's first-level
+    enlargement) inside each prefix key; rows with no key (or with grouping off) are groups
+    of one. Rows are indices into `token_ids`."""
     from packing import group_prefixes
 
     by_key: dict[int, list[int]] = {}
@@ -87,12 +88,9 @@ def group_rows(
         if len(members) == 1:
             groups.append(PlannedGroup(0, (members[0],)))
             continue
-        covered: set[int] = set()
-        for g in group_prefixes([list(token_ids[i]) for i in members]):
-            rows = tuple(members[m] for m in g.members)
-            covered.update(rows)
-            groups.append(PlannedGroup(int(g.prefix_len) if len(rows) > 1 else 0, rows))
-        groups.extend(PlannedGroup(0, (i,)) for i in members if i not in covered)
+        # Every row of the bucket comes back in exactly one group (one-member groups share 0).
+        for g in group_prefixes([token_ids[i] for i in members]):
+            groups.append(PlannedGroup(g.prefix_len, tuple(members[m] for m in g.members)))
     return groups
 
 

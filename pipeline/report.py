@@ -55,13 +55,13 @@ class Summary:
     rows_skipped: int  # already in the output folder before this run
     error_rows: int
     prompt_tokens: int
-    cached_prompt_tokens: int  # served from a shared prefix instead of computed
+    cached_prompt_tokens: int  # as the engines report: each member counts its shared prefix
     generated_tokens: int
     wall_time_s: float
     rows_per_s: float
     generated_tokens_per_s: float
     tokens_per_s: float  # prompt + generated
-    prefix_saving_ratio: float  # cached / prompt tokens, as the engines report it
+    prefix_saving_ratio: float  # prompt tokens not computed (a shared prefix once) / all
     planned_saving_ratio: float  # what the plan's prefix groups share
     optimal_saving_ratio: float  # the best any prefix sharing could do on these rows
     saving_vs_optimum: float | None  # prefix_saving_ratio / optimal_saving_ratio
@@ -92,6 +92,7 @@ _COLUMNS = [
     stage.ERROR,
     stage.SHARD,
     stage.PREFIX_GROUP,
+    stage.SHARED_PREFIX_LEN,
 ]
 
 
@@ -115,13 +116,18 @@ def summarize(
     generated = sum(rows[stage.NUM_GENERATED_TOKENS][i] for i in ok)
     group_sizes = Counter(rows[stage.PREFIX_GROUP][i] for i in ok)
     degrees = sorted(group_sizes.values())
+    # An engine counts a shared prefix as cached for every member, the first included, but
+    # computes it once per group: saved = cached - one prefix per shared group.
+    prefix_of = {rows[stage.PREFIX_GROUP][i]: rows[stage.SHARED_PREFIX_LEN][i] for i in ok}
+    computed_once = sum(p for g, p in prefix_of.items() if group_sizes[g] > 1)
+    saved = max(0, cached - computed_once)
     by_shard: dict[str, list[int]] = {}
     for i in ok:
         by_shard.setdefault(rows[stage.SHARD][i], []).append(rows[stage.NUM_PROMPT_TOKENS][i])
     padded = sum(max(lens) * len(lens) for lens in by_shard.values())
     n = len(rows[stage.ERROR])
     wall = max(wall_time_s, 1e-9)
-    achieved = cached / prompt if prompt else 0.0
+    achieved = saved / prompt if prompt else 0.0
     optimal = plan.optimal_saved_tokens / plan.prompt_tokens if plan.prompt_tokens else 0.0
     summary = Summary(
         output=str(output),
@@ -151,7 +157,7 @@ def summarize(
     distributions = {
         "prompt_lens": prompt_lens,
         "share_degrees": degrees,
-        "tokens": [padded, prompt, prompt - cached],
+        "tokens": [padded, prompt, prompt - saved],
     }
     return summary, distributions
 

@@ -1,0 +1,192 @@
+"""Command-line pieces shared by jobs/generate.py and jobs/snippets.py: flags -> JobConfig,
+Ray connection, and the run with a readable failure for bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+
+from actors.config import EngineConfig, SamplingParams
+from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
+
+logger = logging.getLogger(__name__)
+
+
+def add_io_args(parser: argparse.ArgumentParser) -> None:
+    """--input, --output and the input's shape."""
+    g = parser.add_argument_group("input and output")
+    g.add_argument(
+        "--input",
+        required=True,
+        help="Parquet/JSONL/CSV file, folder or glob, or a datasets.save_to_disk folder",
+    )
+    g.add_argument("--output", required=True, help="output folder (Parquet); a rerun resumes it")
+    g.add_argument(
+        "--input-format",
+        choices=["parquet", "jsonl", "csv", "hf"],
+        help="default: from the file names",
+    )
+    g.add_argument("--hf-split", help="split of a saved DatasetDict")
+    g.add_argument(
+        "--id-column", help="the rows' id column (default: 'id' if present, else a hash of the row)"
+    )
+    g.add_argument(
+        "--keep-columns",
+        type=_names,
+        default=(),
+        help="input columns copied to the output, comma-separated",
+    )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Model, engine, default sampling, plan and compute flags."""
+    g = parser.add_argument_group("model and engine")
+    g.add_argument(
+        "--model", default="smollm2", help="'smollm2' (embedded), a local HF folder or a .gguf file"
+    )
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument(
+        "--no-prefix-caching", action="store_true", help="no block-hash prefix cache in the engine"
+    )
+
+    s = parser.add_argument_group("sampling (defaults; per-row columns override them)")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int)
+    s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+
+    p = parser.add_argument_group("plan")
+    p.add_argument(
+        "--no-prefix-grouping",
+        action="store_true",
+        help="no shuffle by prefix, no groups (for comparison)",
+    )
+    p.add_argument("--max-rows-per-shard", type=int, default=256)
+    p.add_argument("--max-tokens-per-shard", type=int, default=65536)
+    p.add_argument(
+        "--num-partitions", type=int, help="shuffle partitions (default: from the input size)"
+    )
+
+    c = parser.add_argument_group("compute")
+    c.add_argument("--num-actors", type=int, default=1, help="engine actors")
+    c.add_argument(
+        "--num-gpus-per-actor", type=float, help="default: 1 when the cluster has GPUs, else 0"
+    )
+    c.add_argument("--num-cpus-per-actor", type=float, default=0.5)
+    c.add_argument(
+        "--actor-resource",
+        action="append",
+        default=[],
+        metavar="NAME=N",
+        help="a custom resource per engine actor",
+    )
+    c.add_argument("--torch-threads", type=int, help="torch threads per engine actor")
+    c.add_argument("--num-tokenize-actors", type=int, default=1)
+    c.add_argument("--num-cpus", type=int, help="CPUs of a local Ray started by this script")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def job_config(
+    args: argparse.Namespace, prompt: PromptConfig, text_column: str = "generated_text"
+) -> JobConfig:
+    """The JobConfig the flags describe (ValueError on a bad combination)."""
+    return JobConfig(
+        input=InputConfig(
+            path=args.input,
+            format=args.input_format,
+            id_column=args.id_column,
+            keep_columns=tuple(args.keep_columns),
+            hf_split=args.hf_split,
+        ),
+        prompt=prompt,
+        output=args.output,
+        engine=EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        sampling=SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        ),
+        plan=PlanConfig(
+            prefix_grouping=not args.no_prefix_grouping,
+            max_rows_per_shard=args.max_rows_per_shard,
+            max_tokens_per_shard=args.max_tokens_per_shard,
+            num_partitions=args.num_partitions,
+        ),
+        compute=ComputeConfig(
+            num_actors=args.num_actors,
+            num_gpus_per_actor=args.num_gpus_per_actor,
+            num_cpus_per_actor=args.num_cpus_per_actor,
+            resources=tuple(_resource(r) for r in args.actor_resource),
+            torch_threads=args.torch_threads,
+            num_tokenize_actors=args.num_tokenize_actors,
+        ),
+        text_column=text_column,
+    )
+
+
+def connect_ray(num_cpus: int | None = None) -> None:
+    """Join the cluster at RAY_ADDRESS (as under `ray job submit`), else start a local Ray.
+    An already connected process (tests) is left as it is."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+    else:
+        ray.init(num_cpus=num_cpus)
+
+
+def run(config_fn: Callable[[], JobConfig], num_cpus: int | None, as_json: bool) -> int:
+    """Check, connect, run, print the summary. Bad input exits 2 with the reason, before Ray
+    starts."""
+    from pipeline.job import prepare, run_job
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_fn()
+        prepared = prepare(config)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    connect_ray(num_cpus)
+    summary = run_job(config, prepared=prepared)
+    print(json.dumps(asdict(summary), indent=2) if as_json else summary.log_line())
+    return 0
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def _resource(text: str) -> tuple[str, float]:
+    name, sep, amount = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--actor-resource wants NAME=N, got {text!r}")
+    return name, float(amount)

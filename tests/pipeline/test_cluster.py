@@ -1,0 +1,140 @@
+"""Resume after a killed driver, a simulated two-node cluster, fail-fast input checks and the
+input formats: the parts of the job that need more than one process or no Ray at all."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pyarrow.parquet as pq
+import pytest
+
+from actors.config import SamplingParams
+from pipeline.config import InputConfig
+from pipeline.job import run_job
+from pipeline.prompts import RowIdStage
+from pipeline.read import read_dataset, resolve_input
+from pipeline.resume import data_files
+from tests.pipeline.data import TEMPLATE, rows
+from tests.pipeline.test_job import make_config, read_output
+
+ROOT = Path(__file__).parents[2]
+
+
+def _generate():
+    spec = importlib.util.spec_from_file_location("generate", ROOT / "jobs" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_after_killed_driver_has_no_duplicates_or_gaps(
+    ray_cluster, prompt_table, tiny_model_dir, tmp_path
+):
+    """A driver (joined to the running cluster, as under `ray job submit`) is killed once its
+    first shard is written; a rerun into the same folder completes the table."""
+    output = tmp_path / "out"
+    cmd = [
+        sys.executable, "jobs/generate.py", "--input", str(prompt_table), "--output", str(output),
+        "--template", TEMPLATE, "--sampling-column", "sampling", "--keep-columns", "doc_id",
+        "--model", str(tiny_model_dir), "--max-tokens", "24", "--max-rows-per-shard", "2",
+        "--num-partitions", "2", "--num-cpus-per-actor", "0.25", "--actor-resource", "fake_gpu=1",
+    ]  # fmt: skip
+    log = (tmp_path / "driver.log").open("w")
+    driver = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "RAY_ADDRESS": ray_cluster},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 200
+    while not data_files(output) and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert driver.poll() is None, (
+        f"the driver ended before it was killed:\n{(tmp_path / 'driver.log').read_text()[-3000:]}"
+    )
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    written = sum(pq.ParquetFile(f).metadata.num_rows for f in data_files(output) if _complete(f))
+    assert 0 < written < len(rows()), written
+
+    config = make_config(prompt_table, tiny_model_dir, output, max_rows_per_shard=2)
+    config = config.__class__(**{**config.__dict__, "sampling": SamplingParams(max_tokens=24)})
+    summary = run_job(config)
+    assert set(read_output(output)) == {r["id"] for r in rows()}  # every id, each once
+    assert summary.rows_skipped == written
+    assert summary.rows == len(rows()) - written
+
+
+def _complete(path: Path) -> bool:
+    try:
+        pq.ParquetFile(path)
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_node_cluster_end_to_end(prompt_table, tiny_model_dir, tmp_path):
+    output = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "tests/pipeline/two_node_job.py", str(prompt_table), str(tiny_model_dir), str(output)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"nodes": 2, "rows": len(rows())}
+    assert set(read_output(output)) == {r["id"] for r in rows()}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--input", "nowhere/prompts.parquet", "--prompt-column", "p"], "does not exist"),
+        (
+            ["--prompt-column", "prompt"],
+            "no column 'prompt' (the prompt source). Its columns: ['id', 'doc_id'",
+        ),
+        (["--template", "{document} {title}"], "no column 'title' (used by the template)"),
+        (
+            ["--prompt-column", "query", "--keep-columns", "author"],
+            "no column 'author' (asked to keep)",
+        ),
+        (["--prompt-column", "query", "--id-column", "key"], "no column 'key' (the id column)"),
+        (["--prompt-column", "query", "--model", "/no/such/model"], "neither 'smollm2'"),
+    ],
+)
+def test_bad_input_fails_fast_naming_the_columns(prompt_table, tmp_path, capsys, args, message):
+    if "--input" not in args:
+        args = ["--input", str(prompt_table), *args]
+    output = tmp_path / "out"
+    assert _generate().main([*args, "--output", str(output)]) == 2
+    assert message in capsys.readouterr().err
+    assert not output.exists()  # nothing started, nothing written
+
+
+@pytest.mark.timeout(120)
+def test_jsonl_csv_and_hf_inputs_read_with_ids(ray_cluster, tmp_path):
+    table = [r for r in rows() if r["document"]][:5]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in table))
+    (tmp_path / "t.csv").write_text(
+        "id,query\n" + "".join(f"{r['id']},{r['query']}\n" for r in table)
+    )
+    datasets.Dataset.from_list(table).save_to_disk(str(tmp_path / "hf"))
+    for name in ("t.jsonl", "t.csv", "hf"):
+        source = resolve_input(InputConfig(str(tmp_path / name)))
+        ds = read_dataset(source, None, num_cpus=0.25, rows_per_block=2)
+        got = ds.map_batches(RowIdStage("id"), batch_format="pyarrow", batch_size=None).take_all()
+        assert sorted(r["id"] for r in got) == sorted(r["id"] for r in table), name

@@ -1,0 +1,258 @@
+"""The planner, the engine stage and the report as plain callables (no Ray)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from actors.config import EngineConfig, SamplingParams
+from actors.outputs import RequestOutput
+from pipeline import stage
+from pipeline.config import PlanConfig, PromptConfig
+from pipeline.infer import InferStage
+from pipeline.plan import PlannedGroup, PlanStage, cut_shards, plan_partition
+from pipeline.report import StatsCollector, summarize, write_report
+from pipeline.tokenize import TokenizeStage
+
+DOC_A = list(range(100, 180))  # 80 tokens: more than one 64-token key block
+DOC_B = list(range(300, 370))
+
+
+def tokenized(rows: list[tuple[str, list[int] | None, str | None]], sampling=None) -> pa.Table:
+    """A table as the tokenizer stage leaves it: (id, tokens, error) per row."""
+    from packing import prefix_key
+
+    tokens = [t or [] for _, t, _ in rows]
+    return pa.table(
+        {
+            stage.ID: [r[0] for r in rows],
+            "doc": [f"doc-{i}" for i in range(len(rows))],
+            stage.PROMPT_TOKEN_IDS: pa.array(tokens, stage.TOKEN_LIST),
+            stage.NUM_PROMPT_TOKENS: pa.array([len(t) for t in tokens], pa.int32()),
+            stage.SAMPLING: pa.array(sampling or [None] * len(rows), pa.string()),
+            stage.ERROR: pa.array([r[2] for r in rows], pa.string()),
+            stage.PREFIX_KEY: pa.array(
+                [
+                    None if r[2] or not t else _signed(prefix_key(t))
+                    for r, t in zip(rows, tokens, strict=True)
+                ],
+                pa.int64(),
+            ),
+        }
+    )
+
+
+def _signed(key):
+    return None if key is None else (key - 2**64 if key >= 2**63 else key)
+
+
+def test_cut_shards_keeps_groups_whole_and_splits_only_oversized_ones():
+    lens = [10] * 12
+    groups = [
+        PlannedGroup(5, (0, 1, 2)),
+        PlannedGroup(0, (3,)),
+        PlannedGroup(4, tuple(range(4, 12))),
+    ]
+    shards, split = cut_shards(groups, lens, max_rows=4, max_tokens=1000)
+    assert split == 1  # the 8-row group is over 4 rows
+    assert [sum(len(g.rows) for g in s) for s in shards] == [4, 4, 4]
+    assert shards[0] == [groups[0], groups[1]]
+    assert all(g.prefix_len == 4 for s in shards[1:] for g in s)  # prefix repeated per part
+    # A token limit splits too: each part pays the prefix again.
+    shards, split = cut_shards([PlannedGroup(8, (0, 1, 2, 3))], lens, max_rows=10, max_tokens=14)
+    assert split == 1 and [len(s[0].rows) for s in shards] == [3, 1]
+    assert shards[1][0].prefix_len == 0  # one row alone shares nothing
+
+
+def test_plan_groups_rows_sharing_a_prefix_and_passes_errors_through():
+    rows = [
+        ("a0", DOC_A + [1, 2], None),
+        ("b0", DOC_B + [5], None),
+        ("a1", DOC_A + [3], None),
+        ("short", [7, 8, 9], None),
+        ("bad", None, "prompt is empty"),
+        ("a2", DOC_A + [4, 5, 6], None),
+        ("b1", DOC_B + [6, 7], None),
+        ("a0", DOC_A + [1, 2], None),  # the same id again: generated once
+    ]
+    shards, stats = plan_partition(tokenized(rows), PlanConfig(), SamplingParams(), ["doc"])
+    assert stats.rows == 7 and stats.duplicate_rows == 1 and stats.error_rows == 1
+    got = shards.to_pylist()
+    assert got[0][stage.ID] == ["bad"] and got[0][stage.ERROR] == ["prompt is empty"]
+    main = got[1]
+    groups, start = {}, 0
+    for size, plen in zip(main[stage.GROUP_SIZES], main[stage.GROUP_PREFIX_LENS], strict=True):
+        groups[tuple(sorted(main[stage.ID][start : start + size]))] = plen
+        start += size
+    assert groups == {("a0", "a1", "a2"): 80, ("b0", "b1"): 70, ("short",): 0}
+    assert main["doc"] == [
+        f"doc-{rows.index(next(r for r in rows if r[0] == i))}" for i in main[stage.ID]
+    ]
+    assert stats.planned_saved_tokens == 80 * 2 + 70
+    assert stats.share_degrees == {3: 1, 2: 1, 1: 1}
+    assert stats.optimal_saved_tokens >= stats.planned_saved_tokens
+
+
+def test_plan_without_grouping_leaves_every_row_alone():
+    rows = [(f"a{i}", DOC_A + [i], None) for i in range(5)]
+    shards, stats = plan_partition(
+        tokenized(rows),
+        PlanConfig(prefix_grouping=False, max_rows_per_shard=2),
+        SamplingParams(),
+        [],
+    )
+    assert [len(r) for r in shards.column(stage.ID).to_pylist()] == [2, 2, 1]
+    assert stats.planned_saved_tokens == 0 and stats.share_degrees == {1: 5}
+
+
+def test_plan_stage_names_missing_columns():
+    with pytest.raises(ValueError, match=r"plan needs column\(s\) 'prefix_key'"):
+        PlanStage(PlanConfig(), SamplingParams())(
+            pa.table({stage.ID: ["x"]})
+            .drop_columns([])
+            .append_column(stage.PROMPT_TOKEN_IDS, pa.array([[1]], stage.TOKEN_LIST))
+            .append_column(stage.NUM_PROMPT_TOKENS, pa.array([1], pa.int32()))
+            .append_column(stage.SAMPLING, pa.array([None], pa.string()))
+            .append_column(stage.ERROR, pa.array([None], pa.string()))
+        )
+
+
+def test_tokenize_stage_builds_tokens_keys_and_error_rows():
+    from actors.loader import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    doc = "The heap queue keeps the smallest item at index zero. " * 8
+    stage_ = TokenizeStage(
+        PromptConfig(template="{doc}\nQ: {q}"),
+        model="smollm2",
+        max_model_len=200,
+        sampling=SamplingParams(max_tokens=4),
+        keep_columns=["q"],
+        override_columns=["max_tokens"],
+        tokenizer=tok,
+    )
+    batch = pa.table(
+        {
+            stage.ID: ["a", "b", "c", "d"],
+            "doc": [doc, doc, None, doc * 3],
+            "q": ["why", "how", "x", "y"],
+            "max_tokens": [None, 7, None, None],
+        }
+    )
+    out = stage_(batch).to_pylist()
+    assert out[0][stage.ERROR] is None and out[0][stage.SAMPLING] is None
+    assert json.loads(out[1][stage.SAMPLING]) == {"max_tokens": 7}
+    assert out[0][stage.PREFIX_KEY] == out[1][stage.PREFIX_KEY] is not None  # same first block
+    assert (
+        out[0][stage.PROMPT_TOKEN_IDS]
+        == tok(doc + "\nQ: why", add_special_tokens=False)["input_ids"]
+    )
+    assert "'doc' is null" in out[2][stage.ERROR] and out[2][stage.PROMPT_TOKEN_IDS] == []
+    assert "context of 200" in out[3][stage.ERROR] and out[3][stage.NUM_PROMPT_TOKENS] > 200
+    assert out[2][stage.SHUFFLE_KEY] is not None and out[3]["q"] == "y"
+
+
+@dataclass
+class FakeEngine:
+    """Echoes the prompt length as the one generated token; records the calls."""
+
+    calls: list = None
+    fail: bool = False
+
+    def generate(self, prompts, params, prefix_groups):
+        self.calls = (self.calls or []) + [(prompts, params, prefix_groups)]
+        if self.fail:
+            raise RuntimeError("CUDA error: out of memory")
+        return [
+            RequestOutput(
+                request_id=str(i), num_prompt_tokens=len(p), token_ids=(len(p), params[i].max_tokens),
+                text=f"t{len(p)}", finished=True, finish_reason="length",
+                num_cached_tokens=next((g.prefix_len for g in prefix_groups if i in g.members), 0),
+                arrival_time=1.0, first_token_time=1.5,
+            )
+            for i, p in enumerate(prompts)
+        ]  # fmt: skip
+
+
+def _shards() -> pa.Table:
+    rows = [
+        ("bad", None, "prompt is empty"),
+        ("a0", DOC_A + [1], None),
+        ("a1", DOC_A + [2, 3], None),
+        ("solo", [5, 6], None),
+    ]
+    shards, _ = plan_partition(
+        tokenized(rows, sampling=[None, None, '{"max_tokens": 9}', None]),
+        PlanConfig(),
+        SamplingParams(max_tokens=3),
+        ["doc"],
+    )
+    return shards
+
+
+def test_infer_stage_passes_groups_and_overrides_to_the_engine():
+    engine = FakeEngine()
+    infer = InferStage(
+        EngineConfig(), SamplingParams(max_tokens=3), keep_columns=["doc"], engine=engine
+    )
+    out = {r[stage.ID]: r for r in infer(_shards()).to_pylist()}
+    assert len(engine.calls) == 1  # the error shard never reaches the engine
+    prompts, params, groups = engine.calls[0]
+    assert [(g.prefix_len, len(g.members)) for g in groups] == [(80, 2)]
+    assert sorted(p.max_tokens for p in params) == [3, 3, 9]
+    assert (
+        out["bad"][stage.ERROR] == "prompt is empty" and out["bad"][stage.FINISH_REASON] == "error"
+    )
+    assert out["a1"][stage.GENERATED_TOKEN_IDS] == [82, 9] and out["a1"]["generated_text"] == "t82"
+    assert out["a0"][stage.NUM_CACHED_TOKENS] == 80 and out["a0"][stage.SHARED_PREFIX_LEN] == 80
+    assert (
+        out["a0"][stage.PREFIX_GROUP]
+        == out["a1"][stage.PREFIX_GROUP]
+        != out["solo"][stage.PREFIX_GROUP]
+    )
+    assert out["solo"][stage.TTFT] == 0.5 and out["solo"]["doc"] == "doc-3"
+
+
+def test_engine_failure_becomes_error_rows():
+    infer = InferStage(
+        EngineConfig(), SamplingParams(), keep_columns=["doc"], engine=FakeEngine(fail=True)
+    )
+    out = infer(_shards()).to_pylist()
+    assert len(out) == 4
+    assert all(
+        "engine failed: RuntimeError: CUDA error" in r[stage.ERROR]
+        for r in out
+        if r[stage.ID] != "bad"
+    )
+
+
+def test_report_from_output_files(tmp_path):
+    infer = InferStage(
+        EngineConfig(), SamplingParams(max_tokens=3), keep_columns=["doc"], engine=FakeEngine()
+    )
+    pq.write_table(infer(_shards()), tmp_path / "part-0.parquet")
+    collector = StatsCollector()
+    _, stats = plan_partition(
+        tokenized([("a0", DOC_A + [1], None), ("a1", DOC_A + [2, 3], None)]),
+        PlanConfig(),
+        SamplingParams(),
+        [],
+    )
+    collector.record_plan("p", stats)
+    collector.record_plan("p", stats)  # a retried partition replaces its record
+    summary, dists = summarize(
+        str(tmp_path), [tmp_path / "part-0.parquet"], collector.plan_total(), 2.0, 5
+    )
+    assert (summary.rows, summary.error_rows, summary.rows_skipped) == (4, 1, 5)
+    assert summary.prompt_tokens == 81 + 82 + 2
+    assert summary.prefix_saving_ratio == round(80 / 165, 5)  # cached 160, prefix computed once
+    assert summary.planned_saving_ratio == round(80 / 163, 5)
+    assert summary.padding_avoided_tokens == 82 * 3 - 165
+    assert summary.num_shared_groups == 1 and summary.max_share_degree == 2
+    write_report(tmp_path, summary, dists)
+    assert json.loads((tmp_path / "_summary.json").read_text())["rows"] == 4
+    assert (tmp_path / "_report.png").read_bytes()[:4] == b"\x89PNG"
