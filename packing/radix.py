@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -54,26 +55,14 @@ def token_table(seqs: Sequence[Sequence[int]] | Sequence[npt.NDArray[np.integer]
     """
     if isinstance(seqs, str | bytes | np.ndarray) or not isinstance(seqs, Sequence):
         raise ValueError(f"seqs must be a list of token sequences, got {describe(seqs)}")
-    arrays: list[npt.NDArray[np.integer]] = []
-    for i, seq in enumerate(seqs):
-        if isinstance(seq, np.ndarray):
-            if seq.ndim != 1 or (seq.size and seq.dtype.kind not in "iu"):
-                raise ValueError(
-                    f"seqs[{i}] must be a 1-D integer array, got shape {seq.shape} "
-                    f"dtype {seq.dtype}"
-                )
-            arrays.append(seq)
-        elif isinstance(seq, Sequence) and not isinstance(seq, str | bytes):
-            if not all(is_int(t) for t in seq):
-                bad = next(j for j, t in enumerate(seq) if not is_int(t))
-                raise ValueError(f"seqs[{i}][{bad}] must be an integer, got {describe(seq[bad])}")
-            try:
-                arrays.append(np.asarray(seq, dtype=np.int64))
-            except OverflowError:
-                raise ValueError(f"seqs[{i}] holds a token id outside 0..{MAX_TOKEN_ID}") from None
-        else:
-            raise ValueError(f"seqs[{i}] must be a sequence of token ids, got {describe(seq)}")
-    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+    arrays = cast(list[npt.NDArray[np.integer]], list(seqs))
+    # The planner's common case, 1-D integer arrays, is checked in two C-speed passes.
+    if not (
+        all(type(a) is np.ndarray for a in arrays)
+        and {(a.ndim, a.dtype.kind) for a in arrays} <= {(1, "i"), (1, "u")}
+    ):
+        arrays = [_as_array(i, seq) for i, seq in enumerate(seqs)]
+    lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
     starts = np.zeros(len(arrays), dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
     total = int(lengths.sum())
@@ -86,6 +75,29 @@ def token_table(seqs: Sequence[Sequence[int]] | Sequence[npt.NDArray[np.integer]
     flat = np.zeros(total + _MAX_WINDOW, dtype=">i4")
     flat[:total] = tokens
     return TokenTable(flat.view(np.uint32), starts, lengths)
+
+
+def _as_array(i: int, seq: object) -> npt.NDArray[np.integer]:
+    """Sequence i as a 1-D integer array, or ValueError saying what is wrong with it."""
+    if isinstance(seq, str | bytes) or not isinstance(seq, Sequence | np.ndarray):
+        raise ValueError(f"seqs[{i}] must be a sequence of token ids, got {describe(seq)}")
+    try:
+        arr = np.asarray(seq)  # C-speed for lists of ints; other element types show in the dtype
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"seqs[{i}] must be a flat sequence of token ids, got {describe(seq)}"
+        ) from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        if isinstance(seq, np.ndarray) or arr.ndim != 1:
+            raise ValueError(
+                f"seqs[{i}] must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}"
+            )
+        bad = next((j for j, t in enumerate(seq) if not is_int(t) or not 0 <= t <= MAX_TOKEN_ID), 0)
+        raise ValueError(
+            f"seqs[{i}][{bad}] must be an integer token id in 0..{MAX_TOKEN_ID}, "
+            f"got {describe(seq[bad])}"
+        )
+    return arr
 
 
 def sort_sequences(table: TokenTable) -> IntArray:

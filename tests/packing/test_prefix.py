@@ -232,7 +232,10 @@ def test_large_token_ids_and_long_shared_prefixes() -> None:
     [
         ("abc", 1, "seqs must be a list of token sequences"),
         ([[1, 2], "ab"], 1, r"seqs\[1\] must be a sequence of token ids"),
-        ([[1, 2.5]], 1, r"seqs\[0\]\[1\] must be an integer, got 2.5"),
+        ([[1, 2.5]], 1, r"seqs\[0\]\[1\] must be an integer token id in 0..2147483647, got 2.5"),
+        ([[1, 2**70]], 1, r"seqs\[0\]\[1\] must be an integer token id in .*, got 1180591"),
+        ([[True, False]], 1, r"seqs\[0\]\[0\] must be an integer token id .*, got True"),
+        ([[1, [2]]], 1, r"seqs\[0\] must be a flat sequence of token ids, got \[1, \[2\]\]"),
         ([[1, -1]], 1, "token ids must be in 0..2147483647, got -1"),
         ([[2**31]], 1, "token ids must be in 0..2147483647, got 2147483648"),
         ([np.zeros((2, 2), dtype=np.int32)], 1, r"seqs\[0\] must be a 1-D integer array"),
