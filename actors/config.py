@@ -26,7 +26,8 @@ class EngineConfig:
     chunk_size: int | None = None  # prefill tokens per request per step; None: budget-limited
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    # 2 GiB holds ~46K tokens of SmolLM2-135M: 256 running sequences of ~180 tokens.
+    kv_cache_memory_gb: float = 2.0
     enable_prefix_caching: bool = True  # share identical leading full blocks by block hash
     mode: ExecutionMode = "varlen"  # "prepack" and "padded" exist for benchmarks
     max_model_len: int | None = None  # None: the model's max_position_embeddings

@@ -30,3 +30,19 @@ def test_add_request_and_step_stream_cumulative_outputs(make_engine) -> None:
     assert [o.finished for o in seen] == [False, False, False, True]
     assert seen[-1].finish_reason == "length"
     assert seen[-1].token_ids[:3] == seen[2].token_ids
+
+
+def test_two_engines_in_one_process_do_not_interfere(make_engine, tokenizer, reference_models):
+    a = make_engine("llama", num_kv_blocks=64)
+    b = make_engine("qwen2", num_kv_blocks=32, block_size=8)
+    prompt = tokenizer.encode("Two engines share a process.", add_special_tokens=False)
+    params = SamplingParams(max_tokens=8)
+    ra, rb = a.add_request(prompt, params), b.add_request(prompt, params)
+    done = {}
+    while a.has_unfinished() or b.has_unfinished():  # interleaved steps
+        for engine in (a, b):
+            done.update((o.request_id + str(id(engine)), o) for o in engine.step() if o.finished)
+    for engine, rid, arch in ((a, ra, "llama"), (b, rb, "qwen2")):
+        expected = hf_greedy(reference_models[arch], prompt, 8)
+        got = done[rid + str(id(engine))].token_ids
+        assert_greedy_match(reference_models[arch], prompt, got, expected)
