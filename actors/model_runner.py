@@ -5,8 +5,10 @@ positions continuing after its cached tokens (`packing.layout.flat_layout`) and 
 its block table (`packing.layout.slot_mapping`). Decodes come first so attention can batch
 them. Logits are computed only at the last row of each request that samples this step.
 
-`prepare` (layout -> tensors) and `forward` (model call) are separate on purpose: other
-execution modes (Prepacking's 2-D bins, padded batches) plug in at `forward`'s inputs.
+`prepare` (layout -> tensors) and `forward` (model call) are separate on purpose. The
+comparison modes (`EngineConfig.mode` "prepack" / "padded", `actors.modes`) take over the
+whole-prompt prefills of a step and copy their K/V into the paged cache; the rest of the step
+still runs here.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors import attention
+from actors import attention, modes
 from actors.config import EngineConfig
 from actors.kv_cache import allocate_kv_tensors
 from actors.request import Request
@@ -137,5 +139,30 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Copy blocks, run the step; the sampling requests and their logits."""
         self.copy_blocks(sched.block_copies)
+        if self.config.mode != "varlen":
+            return self._execute_with_mode(sched)
         inputs = self.prepare(sched)
         return inputs.sampling, self.forward(inputs)
+
+    # ---- comparison modes (EngineConfig.mode "prepack" / "padded"; for benchmarks) ----------
+
+    def _execute_with_mode(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+        """Whole sequences with nothing cached are prefilled by `actors.modes` (2-D bins or
+        padded rows) and their K/V copied into their blocks; the rest of the step (decodes,
+        chunks, prefix hits) runs the flat varlen path as usual."""
+        whole = [r for r, n in sched.scheduled if r.num_computed_tokens == 0 and n == r.num_tokens]
+        rest = [(r, n) for r, n in sched.scheduled if r.num_computed_tokens or n < r.num_tokens]
+        sampling: list[Request] = []
+        logits: list[torch.Tensor] = []
+        if rest:
+            inputs = self.prepare(SchedulerOutput(scheduled=rest))
+            sampling += inputs.sampling
+            logits.append(self.forward(inputs))
+        if whole:
+            result = modes.prefill(self.model, [r.token_ids for r in whole], self.config.mode)
+            for req, kv in zip(whole, result.kv, strict=True):
+                modes.write_kv(self.kv_caches, kv, req.block_ids, self.block_size)
+            rows = [i for i, r in enumerate(whole) if not r.is_prefix]  # prefixes never sample
+            sampling += [whole[i] for i in rows]
+            logits.append(result.logits[rows])
+        return sampling, torch.cat(logits)
