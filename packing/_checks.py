@@ -79,15 +79,17 @@ def token_array(name: str, tokens: object) -> npt.NDArray[np.int64]:
                 f"dtype {arr.dtype}"
             )
     elif isinstance(tokens, Sequence) and not isinstance(tokens, str | bytes):
-        if not all(is_int(t) for t in tokens):
-            bad = next(i for i, t in enumerate(tokens) if not is_int(t))
+        try:  # C-speed for a list of ints; any other element shows in the dtype
+            arr = np.asarray(tokens)
+        except (ValueError, TypeError):
+            arr = np.asarray(tokens, dtype=object)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            bad = next((i for i, t in enumerate(tokens) if not is_int(t)), None)
+            if bad is None:  # integers too large for int64
+                raise ValueError(f"{name} holds a token id outside 0..{MAX_TOKEN_ID}")
             raise ValueError(
                 f"{name}[{bad}] must be an integer token id, got {describe(tokens[bad])}"
             )
-        try:
-            arr = np.asarray(tokens, dtype=np.int64)
-        except OverflowError:
-            raise ValueError(f"{name} holds a token id outside 0..{MAX_TOKEN_ID}") from None
     else:
         raise ValueError(f"{name} must be a sequence of integer token ids, got {describe(tokens)}")
     check_token_range(name, arr)
