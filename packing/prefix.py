@@ -1,13 +1,14 @@
 """Global prefix grouping (BatchLLM, arXiv 2412.03594, Section 3 and Algorithm 1).
 
 A batch's prompts form a radix tree; sharing is many-levelled, but an engine that computes
-one shared prefix per group and then each member's suffix needs one level. BatchLLM turns the
-tree into one level by "first-level prefix enlargement": a first-level node c keeps the whole
-subtree below it unless a grandchild g (a child of c in the tree) is worth splitting off into
-a group of its own with the longer prefix c+g, which is when the tokens it saves,
-(leaves(g) - 1) * tokens(g), exceed the tokens it costs, tokens(c) computed a second time.
-A split-off node becomes a first-level node itself and is examined the same way, so a deep
-prefix shared by many beats a shallow one shared by few.
+one shared prefix per group and then each member's suffix needs one level. BatchLLM gets
+there with "first-level prefix enlargement", a dynamic program run bottom-up over the tree:
+below a node v, a grandchild w is forked off its parent u and merged up into v when the
+tokens it saves, (leaves(w) - 1) * tokens(w), exceed the tokens it costs, tokens(u)
+computed a second time. At the root this is the rule "fork a first-level node and merge it
+with a grandchild", so a deep prefix shared by many beats a shallow one shared by few; run
+at every level, it also lifts pairs that share a long conversation from below shallow
+branches. The root's final children are the groups.
 
 Conventions: a group with one member shares nothing, so its prefix_len is 0; `min_shared`
 cuts the tree: the first-level nodes are the shallowest nodes with at least `min_shared`
