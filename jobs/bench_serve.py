@@ -6,6 +6,8 @@ For each policy (immediate, fixed windows, aimd) deploy the app on a local Ray S
 free port), replay the same requests (load phases of rising rate from consecutive trace rows,
 lengths scaled to fit a CPU), and report TTFT p50/p95/p99, end-to-end latency and throughput
 per phase and overall, plus a PNG of TTFT over time with the aimd threshold N_t.
+`--simulate` adds the same comparison on a noise-free model of the engine
+(pipeline/serve/simulate.py); `--rounds 0` runs only that.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ from pipeline.serve.replay import (  # noqa: E402
     HealthSample,
     Phase,
     Result,
+    TraceRequest,
     build_requests,
     check_bar,
     read_trace,
     replay,
     summarise,
 )
+from pipeline.serve.simulate import StepCost, simulate  # noqa: E402
 
 logger = logging.getLogger("raypack.bench_serve")
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -60,7 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fixed", default="4:100,8:250", help="fixed windows as requests:ms,... (one run each)"
     )
     p.add_argument("--skip", default="", help="comma-separated policy labels to leave out")
-    p.add_argument("--rounds", type=int, default=2, help="replays per policy, order alternating")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="live replays per policy, order alternating (0: none)"
+    )
+    p.add_argument("--simulate", action="store_true", help="add the noise-free modelled run")
+    p.add_argument("--sim-fixed-ms", type=float, default=52.0, help="model: ms per step")
+    p.add_argument("--sim-token-ms", type=float, default=1.31, help="model: ms per token")
+    p.add_argument("--sim-request-ms", type=float, default=2.0, help="model: ms per request")
     p.add_argument("--length-scale", type=float, default=0.125, help="prompt length factor")
     p.add_argument("--output-scale", type=float, default=0.0625, help="output length factor")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -149,13 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     args = parse_args(argv)
-    import ray
-    from ray import serve
-
-    from actors.config import EngineConfig
     from actors.loader import load_tokenizer
-    from pipeline.serve.app import build_app
-    from pipeline.serve.config import ServeConfig
 
     phases = [
         Phase(n, float(r), float(d)) for n, r, d in (s.split(":") for s in args.phases.split(","))
@@ -173,13 +177,69 @@ def main(argv: list[str] | None = None) -> int:
     if len(requests) > args.max_requests:
         raise SystemExit(f"{len(requests)} requests exceed --max-requests={args.max_requests}")
     logger.info("replay: %d requests over %.0f s", len(requests), sum(p.duration_s for p in phases))
+    configs = policies(args)
+    report: dict[str, Any] = {
+        "phases": [asdict(p) for p in phases],
+        "requests": len(requests),
+        "mean_prompt_tokens": float(np.mean([len(r.prompt_token_ids) for r in requests])),
+        "mean_output_tokens": float(np.mean([r.max_tokens for r in requests])),
+        "policies": {label: asdict(config) for label, config in configs.items()},
+    }
+    if args.simulate:
+        cost = StepCost(args.sim_fixed_ms / 1e3, args.sim_token_ms / 1e3, args.sim_request_ms / 1e3)
+        modelled = {
+            label: summarise(simulate(requests, config, cost), phases, 1)
+            for label, config in configs.items()
+        }
+        report["simulated"] = {
+            "step_cost": asdict(cost),
+            "results": modelled,
+            "bar": check_bar(modelled, phases),
+        }
+    if args.rounds > 0:
+        runs, by_round = run_live(args, requests, phases, configs)
+        summary = {label: summarise(res, phases, args.rounds) for label, (res, _) in runs.items()}
+        report["rounds"] = args.rounds
+        report["results"] = summary
+        report["bar"] = check_bar(summary, phases)
+        # the spread between rounds of one policy is the noise floor of this machine
+        report["overall_ttft_p95_s_by_round"] = {
+            label: [r["ttft_p95_s"] for r in rounds] for label, rounds in by_round.items()
+        }
+        if args.png:
+            plot(args.png, runs, phases)
+            report["png"] = args.png
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.json:
+        sys.stdout.write(text + "\n")
+    else:
+        logger.info("%s", text)
+    return 0
+
+
+def run_live(
+    args: argparse.Namespace,
+    requests: list[TraceRequest],
+    phases: list[Phase],
+    configs: dict[str, AdmissionConfig],
+) -> tuple[dict[str, tuple[list[Result], list[HealthSample]]], dict[str, list[dict[str, float]]]]:
+    """Replay on one live replica, switching policy in place; pooled results and per-round
+    overall summaries."""
+    import ray
+    from ray import serve
+
+    from actors.config import EngineConfig
+    from pipeline.serve.app import build_app
+    from pipeline.serve.config import ServeConfig
+
     temp_dir = tempfile.mkdtemp(prefix="rpb", dir="/tmp")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
     runs: dict[str, tuple[list[Result], list[HealthSample]]] = {}
-    configs = policies(args)
     by_round: dict[str, list[dict[str, float]]] = {}
     ray.init(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False, log_to_driver=False)
     try:
@@ -193,9 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         serve.run(build_app(config), name="bench", route_prefix="/")
         handle = serve.get_app_handle("bench")
-        asyncio.run(
-            replay(base, "bench", [replace(r, arrival_s=0.0) for r in requests[:3]], drain_s=120)
-        )
+        warm = [replace(r, arrival_s=0.0) for r in requests[:3]]
+        asyncio.run(replay(base, "bench", warm, drain_s=120))
         for round_index in range(args.rounds):
             # alternate the order so a drift in background load does not favour one policy
             order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
@@ -214,34 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         serve.shutdown()
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
-    summary = {
-        label: summarise(results, phases, args.rounds) for label, (results, _) in runs.items()
-    }
-    report = {
-        "phases": [asdict(p) for p in phases],
-        "requests": len(requests),
-        "mean_prompt_tokens": float(np.mean([len(r.prompt_token_ids) for r in requests])),
-        "mean_output_tokens": float(np.mean([r.max_tokens for r in requests])),
-        "rounds": args.rounds,
-        "policies": {label: asdict(config) for label, config in configs.items()},
-        "results": summary,
-        "bar": check_bar(summary, phases),
-        # the spread between rounds of one policy is the noise floor of this machine
-        "overall_ttft_p95_s_by_round": {
-            label: [r["ttft_p95_s"] for r in rounds] for label, rounds in by_round.items()
-        },
-    }
-    if args.png:
-        plot(args.png, runs, phases)
-        report["png"] = args.png
-    text = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    if args.json:
-        sys.stdout.write(text + "\n")
-    else:
-        logger.info("%s", text)
-    return 0
+    return runs, by_round
 
 
 def wait_idle(base: str, timeout_s: float = 120.0) -> None:

@@ -170,22 +170,24 @@ class AdmissionController:
         cfg = self.config
         if queue_depth <= 0 or oldest_arrival is None:
             return AdmissionDecision(0, "empty")
-        waited = now - oldest_arrival
+        # Compare against the same sums as wake_at, so waking at wake_at always admits.
+        window_end = oldest_arrival + cfg.window_s
+        timeout_at = oldest_arrival + cfg.max_wait_s
         if cfg.policy == "immediate":
             return AdmissionDecision(queue_depth, "immediate")
         if cfg.policy == "fixed":
-            if queue_depth >= cfg.window_requests or waited >= cfg.window_s:
+            if queue_depth >= cfg.window_requests or now >= window_end:
                 return AdmissionDecision(queue_depth, "window")
-            return AdmissionDecision(0, "wait", oldest_arrival + cfg.window_s)
+            return AdmissionDecision(0, "wait", window_end)
         if queue_depth >= self.threshold:
             return AdmissionDecision(queue_depth, "threshold")
         if queue_depth >= cfg.burst_queue_depth:
             return AdmissionDecision(queue_depth, "burst_depth")
         if self.arrival_rate(now) >= cfg.burst_arrival_rate:
             return AdmissionDecision(queue_depth, "burst_rate")
-        if waited >= cfg.max_wait_s:
+        if now >= timeout_at:
             return AdmissionDecision(queue_depth, "timeout")
-        return AdmissionDecision(0, "wait", oldest_arrival + cfg.max_wait_s)
+        return AdmissionDecision(0, "wait", timeout_at)
 
 
 def next_threshold(config: AdmissionConfig, threshold: float, smoothed_p95_ttft: float) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -205,3 +207,15 @@ def test_next_threshold_direction(config: AdmissionConfig, p95: float) -> None:
         assert new <= mid
     else:
         assert new == mid
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs, st.floats(0.0, 1e6), st.integers(1, 200))
+def test_waking_at_wake_at_admits(config: AdmissionConfig, oldest: float, depth: int) -> None:
+    """No float round-off can make the loop wake at wake_at and be told to wait again."""
+    for policy in ("fixed", "aimd"):
+        ctl = AdmissionController(replace(config, policy=policy))  # type: ignore[arg-type]
+        first = ctl.decide(oldest, depth, oldest)
+        if first.count == 0:
+            assert first.wake_at is not None
+            assert ctl.decide(first.wake_at, depth, oldest).count == depth
