@@ -6,12 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors import SamplingParams, attention, modes
+from actors import EngineConfig, LLMEngine, SamplingParams, attention, modes
 from actors.kv_cache import allocate_kv_tensors
+from actors.loader import load_model
 from actors.model_runner import model_geometry
 from tests.actors.conftest import context_model
 from tests.actors.groups import prefix_groups_for, shared_prefix_prompts
-from tests.actors.reference import assert_greedy_match, hf_greedy, torch_threads
+from tests.actors.reference import (
+    alpaca_prompt,
+    alpaca_records,
+    assert_greedy_match,
+    hf_greedy,
+    torch_threads,
+)
 
 ARCHS = ("llama", "qwen2", "mistral")
 ATOL = 1e-5
@@ -196,3 +203,48 @@ def test_engine_mode_with_chunks_groups_and_preemption(
     outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS), groups)
     assert mode_calls and engine.scheduler.num_preemptions > 0
     check_greedy(reference_models["qwen2"], prompt_ids, outputs, expected["qwen2"])
+
+
+# ---- the embedded SmolLM2 on real chat prompts (slow) -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tokenizer) -> list[list[int]]:
+    """Six chat-templated Alpaca prompts (the template's system prompt is a shared prefix)."""
+    ids = []
+    for record in alpaca_records(6, start=20):
+        messages = [{"role": "user", "content": alpaca_prompt(record)}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids.append(tokenizer.encode(text, add_special_tokens=False))
+    return ids
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_smollm2_prepack_logits_and_kv_equal_solo(smollm2, chat_ids) -> None:
+    result = modes.prepack_prefill(smollm2, chat_ids, capacity=2 * max(map(len, chat_ids)))
+    assert result.num_computed_tokens < len(chat_ids) * max(map(len, chat_ids))  # really packed
+    with torch.inference_mode():
+        for i, ids in enumerate(chat_ids):
+            solo = smollm2(torch.tensor([ids]), use_cache=True)
+            torch.testing.assert_close(result.logits[i], solo.logits[0, -1], atol=1e-4, rtol=0)
+            for (k, v), layer in zip(result.kv[i], solo.past_key_values.layers, strict=True):
+                torch.testing.assert_close(k, layer.keys[0], atol=1e-4, rtol=0)
+                torch.testing.assert_close(v, layer.values[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+@pytest.mark.parametrize("mode", ["prepack", "padded"])
+def test_smollm2_engine_mode_matches_hf_generate(tokenizer, smollm2, chat_ids, mode) -> None:
+    engine = LLMEngine(
+        EngineConfig(mode=mode, num_kv_blocks=128), model=load_model("smollm2"), tokenizer=tokenizer
+    )
+    outputs = engine.generate(chat_ids, SamplingParams(max_tokens=16))
+    for ids, out in zip(chat_ids, outputs, strict=True):
+        assert_greedy_match(smollm2, ids, out.token_ids, hf_greedy(smollm2, ids, 16))
