@@ -40,6 +40,7 @@ class Live:
     base: str  # http://127.0.0.1:<port>
     model_dir: Path
     configs: dict[str, ServeConfig]  # app name -> what it was deployed with
+    metrics_url: str  # Ray's Prometheus endpoint on this node
 
     def url(self, path: str, app: str = "") -> str:
         """The URL of `path` on `app` ('' for main, 'auth', 'held')."""
@@ -72,9 +73,15 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     keys.write_text(f"# test keys\n{API_KEY}\nsk-other\n")
     # A short path: Ray's unix sockets live under it.
     temp_dir = tempfile.mkdtemp(prefix="rps", dir="/tmp")
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     started = time.monotonic()
-    ray.init(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        _temp_dir=temp_dir,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         engine = EngineConfig(model=str(tiny_model_dir), max_num_seqs=64)
@@ -103,7 +110,12 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 for name, config in apps.items()
             ]
         )
-        live = Live(f"http://127.0.0.1:{port}", tiny_model_dir, apps)
+        live = Live(
+            f"http://127.0.0.1:{port}",
+            tiny_model_dir,
+            apps,
+            f"http://127.0.0.1:{metrics_port}/metrics",
+        )
         requests.get(live.url("/health"), timeout=10).raise_for_status()
         logger.info("live serve apps up in %.1f s", time.monotonic() - started)
         yield live

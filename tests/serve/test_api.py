@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import requests
@@ -167,3 +168,25 @@ def test_admission_policy_switches_in_place(live: Live) -> None:
     assert requests.get(live.url("/health"), timeout=10).json()["policy"] == "aimd"
     # the same replica (same start time): the model was not reloaded
     assert requests.get(live.url("/v1/models"), timeout=10).json()["data"][0]["created"] == created
+
+
+def test_metrics_reach_prometheus(live: Live) -> None:
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
+    assert requests.post(live.url("/v1/completions"), json=body, timeout=60).ok
+    wanted = {
+        "ray_raypack_serve_ttft_seconds_count",
+        "ray_raypack_serve_time_per_output_token_seconds_count",
+        "ray_raypack_serve_queue_depth",
+        "ray_raypack_serve_admission_threshold",
+        "ray_raypack_serve_generated_tokens_total",
+    }
+    found: set[str] = set()
+    deadline = time.monotonic() + 60  # Ray exports every few seconds
+    while not wanted <= found and time.monotonic() < deadline:
+        try:
+            text = requests.get(live.metrics_url, timeout=10).text
+            found = {line.split("{")[0].split(" ")[0] for line in text.splitlines()}
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+    assert wanted <= found, sorted(wanted - found)
