@@ -66,7 +66,7 @@ class _Request:
 
 
 class RequestStream:
-    """The outputs of one request, newest first-come: each item is the cumulative output.
+    """The outputs of one request as they come; each item is cumulative (all tokens so far).
 
     A slow reader skips intermediate outputs (they are cumulative), so nothing queues up.
     Leaving the iteration early (client gone, task cancelled) aborts the request.
