@@ -7,6 +7,8 @@ from typing import Literal
 
 ExecutionMode = Literal["varlen", "prepack", "padded"]
 _MODES = ("varlen", "prepack", "padded")
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,29 @@ class EngineConfig:
     mode: ExecutionMode = "varlen"  # "prepack" and "padded" exist for benchmarks
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+    tensor_parallel_size: int = 1  # workers per pipeline stage, each with 1/tp of heads and MLP
+    pipeline_parallel_size: int = 1  # stages, each a contiguous slice of the decoder layers
+    placement_strategy: PlacementStrategy = "PACK"  # where stages go (tp alone: STRICT_PACK)
+    worker_num_cpus: float = 1.0  # CPUs in each worker's bundle (fractional in CPU tests)
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes of one engine (tp x pp); 1 runs the model in the engine itself."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.placement_strategy not in _STRATEGIES:
+            raise ValueError(
+                f"placement_strategy must be one of {_STRATEGIES}, got {self.placement_strategy!r}"
+            )
+        if self.worker_num_cpus <= 0:
+            raise ValueError(f"worker_num_cpus must be > 0, got {self.worker_num_cpus}")
+        if self.world_size > 1 and self.mode != "varlen":
+            raise ValueError(
+                f"tensor/pipeline parallel engines run mode 'varlen' only, got {self.mode!r}"
+            )
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("block_size", self.block_size)

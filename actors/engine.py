@@ -25,6 +25,7 @@ from actors.sampler import Sampler
 from actors.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
+    from actors.parallel.executor import ParallelExecutor
     from packing.prefix import PrefixGroup
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,16 @@ class LLMEngine:
         self, config: EngineConfig | None = None, *, model: Any = None, tokenizer: Any = None
     ) -> None:
         self.config = config = config or EngineConfig()
-        if model is None:
-            device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            default = "bfloat16" if device.startswith("cuda") else "float32"
-            dtype = _DTYPES[config.dtype or default]
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = _DTYPES[config.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+        if config.world_size > 1:  # workers load the weights; this is the skeleton only
+            from actors.parallel.weights import check_shapes, meta_model
+
+            if model is not None:
+                raise ValueError("tensor/pipeline parallel engines load config.model; pass no model")
+            model = meta_model(config, dtype)
+            check_shapes(model, config.tensor_parallel_size, config.pipeline_parallel_size)
+        elif model is None:
             model = loader.load_model(config.model, dtype, device, config.trust_remote_code)
         if tokenizer is None:
             tokenizer = loader.load_tokenizer(config.model, config.trust_remote_code)
@@ -58,7 +65,13 @@ class LLMEngine:
         self.vocab_size = model.config.get_text_config().vocab_size
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(model, config, num_blocks)
+        self.runner: ModelRunner | ParallelExecutor
+        if config.world_size > 1:
+            from actors.parallel.executor import ParallelExecutor
+
+            self.runner = ParallelExecutor(config, num_blocks, dtype)
+        else:
+            self.runner = ModelRunner(model, config, num_blocks)
         self.sampler = Sampler(_eos_ids(model, tokenizer), seed=config.seed)
         self.detokenizer = Detokenizer(tokenizer)
         self._requests: dict[str, Request] = {}  # unfinished user requests

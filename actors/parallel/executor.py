@@ -1,0 +1,183 @@
+"""The engine's runner when tp x pp > 1: worker actors in one placement group.
+
+Workers are laid out stage-major (bundle `stage * tp + rank`). Each step's plan is put in
+Ray's object store once and handed to every worker; stage s+1 receives stage s's hidden
+states (tp rank 0's result) directly from the object store, so the driver only sees the last
+stage's logits. `submit` returns at once, so several steps can be in flight (see
+`actors.parallel.pipelined`); `collect` waits for one, and any worker that dies or fails
+makes it raise `WorkerFailedError` after tearing the group down (no hang in a collective).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.config import EngineConfig
+from actors.parallel import placement
+from actors.parallel.plan import plan_step
+from actors.parallel.worker import StageWorker
+from actors.request import Request
+from actors.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker of a parallel engine died or raised; the engine cannot continue."""
+
+
+@dataclass(frozen=True)
+class StepHandle:
+    """A submitted step: its sampling requests and the results still to come."""
+
+    step: int
+    sampling: list[Request]
+    logits: ray.ObjectRef[Any]  # the last stage's tp rank 0
+    watched: tuple[tuple[ray.ObjectRef[Any], str], ...]  # every result that can report a failure
+
+
+class ParallelExecutor:
+    """`execute` / `copy_blocks` like `ModelRunner`, over tp x pp worker actors."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        dtype: torch.dtype = torch.float32,
+        placement_timeout_s: float = 60.0,
+        step_timeout_s: float = 300.0,
+    ) -> None:
+        self.config = config
+        self.tp, self.pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.step_timeout_s = step_timeout_s
+        self._step = 0
+        self._closed = False
+        if not ray.is_initialized():
+            ray.init()
+        device = config.device or (
+            "cuda" if placement._ray().cluster_resources().get("GPU") else "cpu"
+        )
+        bundle: dict[str, float] = {"CPU": config.worker_num_cpus}
+        if device.startswith("cuda"):
+            bundle["GPU"] = 1.0
+        strategy = "STRICT_PACK" if self.pp == 1 else config.placement_strategy
+        self.pg = placement.reserve(
+            [dict(bundle) for _ in range(config.world_size)], strategy, placement_timeout_s
+        )
+        remote = ray.remote(StageWorker)
+        self.workers: list[list[Any]] = [
+            [
+                remote.options(
+                    num_cpus=bundle["CPU"],
+                    num_gpus=bundle.get("GPU", 0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.pg, placement_group_bundle_index=stage * self.tp + rank
+                    ),
+                ).remote(config, stage, rank, num_blocks, device)
+                for rank in range(self.tp)
+            ]
+            for stage in range(self.pp)
+        ]
+        try:
+            self._start(str(dtype).removeprefix("torch."), placement_timeout_s)
+        except Exception:
+            self.shutdown()
+            raise
+
+    def _start(self, dtype: str, timeout_s: float) -> None:
+        if self.tp > 1:
+            addresses = ray.get([s[0].address.remote() for s in self.workers], timeout=timeout_s)
+            ray.get(
+                [
+                    w.init_group.remote(host, port, timeout_s)
+                    for stage, (host, port) in zip(self.workers, addresses, strict=True)
+                    for w in stage
+                ],
+                timeout=timeout_s,
+            )
+        ranges = ray.get([w.load.remote(dtype) for s in self.workers for w in s], timeout=timeout_s)
+        logger.info("parallel engine ready: tp=%d pp=%d, layers %s", self.tp, self.pp, ranges)
+
+    @property
+    def all_workers(self) -> list[Any]:
+        """Workers stage-major."""
+        return [w for stage in self.workers for w in stage]
+
+    def submit(self, sched: SchedulerOutput) -> StepHandle:
+        """Send one step to the workers without waiting."""
+        if self._closed:
+            raise WorkerFailedError("this parallel engine was shut down after a failure")
+        self._step += 1
+        plan, sampling = plan_step(sched, self.config.block_size, self._step)
+        plan_ref = ray.put(plan)  # broadcast once: every worker reads the same object
+        hidden: Any = None
+        watched: list[tuple[ray.ObjectRef[Any], str]] = []
+        for s, stage in enumerate(self.workers):
+            refs = [w.execute.remote(plan_ref, hidden) for w in stage]
+            hidden = refs[0]
+            # Stage s's rank 0 result feeds stage s+1, whose task fails if it failed.
+            start = 0 if s == self.pp - 1 else 1
+            watched += [(refs[r], f"stage {s} tp rank {r}") for r in range(start, self.tp)]
+        return StepHandle(self._step, sampling, hidden, tuple(watched))
+
+    def collect(self, handle: StepHandle) -> tuple[list[Request], torch.Tensor]:
+        """Wait for a submitted step; its sampling requests and their logits."""
+        names = {ref: name for ref, name in handle.watched}
+        pending = list(names)
+        deadline = time.monotonic() + self.step_timeout_s
+        while pending:
+            ready, pending = ray.wait(
+                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                self._fail(f"step {handle.step} did not finish within {self.step_timeout_s:g} s")
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except (ray.exceptions.RayError, RuntimeError) as error:
+                    self._fail(f"{names[ref]} failed in step {handle.step}: {error}", error)
+        logits = ray.get(handle.logits)
+        return handle.sampling, logits
+
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+        """Run one step to completion (the engine's synchronous path)."""
+        return self.collect(self.submit(sched))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks on every worker (steps also carry their copies in the plan)."""
+        ray.get([w.copy_blocks.remote(copies) for w in self.all_workers])
+
+    def take_timings(self) -> list[list[tuple[int, float, float]]]:
+        """Per stage, tp rank 0's (step, start, end) since the last call."""
+        return ray.get([stage[0].take_timings.remote() for stage in self.workers])
+
+    def _fail(self, message: str, cause: BaseException | None = None) -> None:
+        logger.error("parallel engine failed: %s", message)
+        self.shutdown()  # survivors may be blocked in a collective with a dead peer
+        raise WorkerFailedError(
+            f"tensor/pipeline parallel engine (tp={self.tp}, pp={self.pp}): {message}"
+        ) from cause
+
+    def shutdown(self) -> None:
+        """Kill the workers and release the placement group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self.all_workers:
+            ray.kill(worker, no_restart=True)
+        remove_placement_group(self.pg)
+
+    def __del__(self) -> None:
+        try:
+            if ray.is_initialized():
+                self.shutdown()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass

@@ -1,0 +1,101 @@
+"""Reserve a placement group, or fail with a clear message instead of waiting forever.
+
+A Ray placement group that cannot be placed stays PENDING with no error. `reserve` first
+checks that the bundles can fit the cluster's nodes at all (an immediate `ValueError`), then
+waits for the group with a timeout (a `TimeoutError` naming what was asked and what is free).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+logger = logging.getLogger(__name__)
+
+Bundle = dict[str, float]
+
+
+def reserve(
+    bundles: list[Bundle], strategy: str, timeout_s: float, name: str = ""
+) -> PlacementGroup:
+    """A ready placement group of `bundles` placed with `strategy`.
+
+    Raises `ValueError` when the bundles can never fit the cluster's nodes, and
+    `TimeoutError` (after removing the group) when they fit but are not placed in time.
+    """
+    nodes = node_resources()
+    problem = infeasible(bundles, strategy, nodes)
+    if problem is not None:
+        raise ValueError(
+            f"placement group {name!r} of {len(bundles)} bundles {bundles} ({strategy}) can "
+            f"never be placed: {problem}; the cluster's nodes have {nodes}"
+        )
+    pg: PlacementGroup = placement_group(bundles, strategy=strategy, name=name)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise TimeoutError(
+            f"placement group {name!r} of {len(bundles)} bundles {bundles} ({strategy}) was not "
+            f"placed within {timeout_s:g} s; the cluster has {_ray().cluster_resources()} in "
+            f"all and {_ray().available_resources()} free (other actors or groups hold the rest)"
+        ) from None
+    return pg
+
+
+def node_resources() -> list[dict[str, float]]:
+    """Total resources of each alive node (without Ray's internal node/memory keys)."""
+    out = []
+    for node in _ray().nodes():
+        if node.get("Alive"):
+            res: dict[str, Any] = node.get("Resources", {})
+            out.append({k: float(v) for k, v in res.items() if _user_resource(k)})
+    return out
+
+
+def infeasible(bundles: list[Bundle], strategy: str, nodes: list[dict[str, float]]) -> str | None:
+    """Why `bundles` can never be placed on `nodes` with `strategy`, or None when they can
+    (ignoring what other groups hold now)."""
+    if not bundles:
+        return "no bundles"
+    for i, bundle in enumerate(bundles):
+        if not any(_fits(bundle, node) for node in nodes):
+            return f"bundle {i} {bundle} fits no single node"
+    if strategy == "STRICT_PACK":
+        total = _sum(bundles)
+        if not any(_fits(total, node) for node in nodes):
+            return f"STRICT_PACK needs {total} on one node"
+    elif strategy == "STRICT_SPREAD":
+        usable = [n for n in nodes if any(_fits(b, n) for b in bundles)]
+        if len(usable) < len(bundles):
+            return f"STRICT_SPREAD needs {len(bundles)} nodes, {len(usable)} can take a bundle"
+    else:
+        total = _sum(bundles)
+        cluster = _sum(nodes)
+        if not _fits(total, cluster):
+            return f"the bundles need {total} in all"
+    return None
+
+
+def _ray() -> Any:
+    """Ray's API, untyped (its functions carry no annotations)."""
+    return ray
+
+
+def _user_resource(key: str) -> bool:
+    return not key.startswith("node:") and key not in ("memory", "object_store_memory")
+
+
+def _sum(items: list[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for item in items:
+        for key, value in item.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def _fits(demand: dict[str, float], capacity: dict[str, float]) -> bool:
+    return all(capacity.get(key, 0.0) + 1e-9 >= value for key, value in demand.items())

@@ -1,0 +1,148 @@
+"""The Ray actor in one placement-group bundle: one (stage, tp rank) of a parallel engine.
+
+It owns its stage's weights (only its shard) and the KV tensors of its layers and KV heads,
+and runs each step's `StepPlan`: the first stage embeds token ids, later stages take the
+previous stage's hidden states (a Ray object passed straight from actor to actor), the last
+stage returns logits of the sampling rows. Only tp rank 0 returns anything; the other ranks
+return None after taking part in the all-reduces.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from actors import attention
+from actors.config import EngineConfig
+from actors.kv_cache import allocate_kv_tensors
+from actors.parallel.plan import StepPlan
+from actors.parallel.weights import build_stage
+
+logger = logging.getLogger(__name__)
+
+
+class StageWorker:
+    """One worker process (wrapped with `ray.remote` by the executor)."""
+
+    def __init__(
+        self, config: EngineConfig, stage: int, tp_rank: int, num_blocks: int, device: str
+    ) -> None:
+        self.config = config
+        self.stage_index = stage
+        self.tp_rank = tp_rank
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        self.busy: list[tuple[int, float, float]] = []  # (step, start, end), monotonic clock
+        self._crash_at_step: int | None = None
+        torch.set_num_threads(max(1, int(config.worker_num_cpus)))
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free TCP port on it (tp rank 0 hosts the group's store)."""
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = int(sock.getsockname()[1])
+        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        return ip, port
+
+    def init_group(self, host: str, port: int, timeout_s: float) -> None:
+        """Join this stage's tensor-parallel group (gloo on CPU, nccl on CUDA)."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=self.tp_rank,
+            world_size=self.config.tensor_parallel_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    def load(self, dtype: str) -> tuple[int, int]:
+        """Build the stage and its KV tensors; returns its layer range."""
+        self.stage, shape, (start, stop) = build_stage(
+            self.config, getattr(torch, dtype), self.device, self.stage_index, self.tp_rank
+        )
+        owned = allocate_kv_tensors(
+            stop - start,
+            self.num_blocks,
+            self.config.block_size,
+            shape.local_kv_heads,
+            shape.head_dim,
+            getattr(torch, dtype),
+            self.device,
+        )
+        # attention.paged_attention indexes by the global layer_idx: other layers get nothing.
+        empty = torch.empty(0, device=self.device)
+        self.kv_caches = [(empty, empty)] * start + owned
+        return start, stop
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+    def crash_at_step(self, step: int) -> None:
+        """Fault injection for tests: exit the process in the middle of step `step`."""
+        self._crash_at_step = step
+
+    def take_timings(self) -> list[tuple[int, float, float]]:
+        """(step, start, end) of the steps run since the last call."""
+        out, self.busy = self.busy, []
+        return out
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every owned layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        with torch.inference_mode():
+            for k_cache, v_cache in self.kv_caches:
+                if k_cache.numel():
+                    k_cache[dst] = k_cache[src]
+                    v_cache[dst] = v_cache[src]
+
+    def execute(self, plan: StepPlan, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """Run this stage for one step: hidden states (or logits on the last stage) from tp
+        rank 0, None from the others."""
+        start = time.monotonic()
+        self.copy_blocks(list(plan.block_copies))
+        meta = attention.build_metadata(
+            self.kv_caches,
+            plan.num_cached,
+            plan.num_new,
+            [list(t) for t in plan.block_tables],
+            plan.slot_mapping,
+            plan.cu_seqlens_q,
+            self.config.block_size,
+            plan.num_decodes,
+            self.device,
+            use_varlen=self.device.type == "cuda" and self.kv_caches[-1][0].dtype != torch.float32,
+        )
+        if self._crash_at_step == plan.step:
+            logger.error("fault injection: worker exits in step %d", plan.step)
+            os._exit(1)
+        out: torch.Tensor = self.stage(
+            _tensor(plan.input_ids, self.device)[None],
+            _tensor(plan.positions, self.device)[None],
+            None if hidden is None else hidden.to(self.device),
+            _tensor(plan.logits_indices, self.device),
+            meta,
+        )
+        self.busy.append((plan.step, start, time.monotonic()))
+        if self.tp_rank != 0:
+            return None
+        return out.cpu() if self.device.type != "cpu" else out
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    # Arrays from Ray's object store are read-only: copy rather than share their memory.
+    return torch.tensor(array, device=device)

@@ -1,0 +1,107 @@
+"""Ray and tiny saved models for the parallel-engine tests.
+
+One local Ray per test module, in a fresh short temp dir (Ray's unix sockets live under it),
+with 2 CPUs: workers take fractional CPUs so four fit. Models are the engine tests' context
+models (attention really moves the logits) saved as safetensors, so workers load shards.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors import EngineConfig, LLMEngine, SamplingParams
+from actors.loader import load_tokenizer
+from tests.actors.groups import prefix_groups_for, shared_prefix_prompts
+from tests.actors.reference import assert_greedy_match, torch_threads
+from tests.tiny_models import tiny_model
+
+MAX_TOKENS = 8
+
+
+def context_model(arch: str, num_layers: int = 2):
+    """A tiny model whose next token depends on the context (see tests/actors/conftest.py)."""
+    model = tiny_model(arch, num_layers=num_layers)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.model.layers.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.2, generator=generator)
+    return model
+
+
+def save_context_model(folder: Path, arch: str, num_layers: int = 2) -> Path:
+    """Save a context model and the SmolLM2 tokenizer as a loadable folder."""
+    context_model(arch, num_layers).save_pretrained(folder)
+    load_tokenizer("smollm2").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="package")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer context llama (4 heads, 2 KV heads)."""
+    return save_context_model(tmp_path_factory.mktemp("par") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """A local Ray with 2 CPUs in a fresh temp dir."""
+    import ray
+
+    temp_dir = tempfile.mkdtemp(prefix="rpx", dir="/tmp")
+    ray.init(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="package")
+def prompts_and_groups():
+    """Token ids of prompts sharing long prefixes, and prefix groups over them."""
+    tokenizer = load_tokenizer("smollm2")
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in shared_prefix_prompts()]
+    ids = [p[:80] for p in ids]  # keep steps small on a shared 2-core box
+    return ids, prefix_groups_for(ids)
+
+
+def engine_config(model_dir: Path, **overrides) -> EngineConfig:
+    """Chunked prefill (chunk 7) with prefix caching, a small KV pool."""
+    settings = dict(
+        model=str(model_dir),
+        num_kv_blocks=128,
+        chunk_size=7,
+        max_num_batched_tokens=48,
+        worker_num_cpus=0.25,
+    )
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+def run_engine(config: EngineConfig, prompts, groups) -> list[tuple[int, ...]]:
+    """Greedy tokens of every prompt (with the prefix groups) from a fresh engine."""
+    with torch_threads(1):
+        engine = LLMEngine(config)
+        try:
+            outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), groups)
+        finally:
+            shutdown = getattr(engine.runner, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+    assert all(o.finished and o.error is None for o in outputs)
+    return [o.token_ids for o in outputs]
+
+
+def assert_same_tokens(model_dir: Path, prompts, got, expected) -> None:
+    """Token-identical, except after a demonstrated floating-point tie."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for ids, g, e in zip(prompts, got, expected, strict=True):
+        assert_greedy_match(reference, ids, g, e)
