@@ -165,10 +165,9 @@ def paged_attention(
             "run this model through LLMEngine, or call "
             "model.set_attn_implementation('sdpa') to use it on its own"
         )
-    k_cache, v_cache = meta.kv_caches[
-        _layer_index(module)
-    ]  # [num_blocks, block_size, kv_heads, dim]
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    layer = _layer_index(module)
+    k_cache, v_cache = meta.kv_caches[layer]  # [num_blocks, block_size, kv_heads, dim]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     k_new = key[0].transpose(0, 1)  # [num_tokens, kv_heads, dim]
     v_new = value[0].transpose(0, 1)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k_new)
