@@ -51,7 +51,9 @@ class LLMEngine:
             from actors.parallel.weights import check_shapes, meta_model
 
             if model is not None:
-                raise ValueError("tensor/pipeline parallel engines load config.model; pass no model")
+                raise ValueError(
+                    "tensor/pipeline parallel engines load config.model; pass no model"
+                )
             model = meta_model(config, dtype)
             check_shapes(model, config.tensor_parallel_size, config.pipeline_parallel_size)
         elif model is None:
