@@ -41,6 +41,14 @@ class LLMEngine:
     from `config.model`. The engine switches the model's attention to `raypack_paged`.
     """
 
+    def __new__(cls, config: EngineConfig | None = None, **kwargs: Any) -> LLMEngine:
+        """pp > 1 builds `actors.parallel.pipelined.PipelinedEngine` (steps overlap)."""
+        if cls is LLMEngine and config is not None and config.pipeline_parallel_size > 1:
+            from actors.parallel.pipelined import PipelinedEngine
+
+            return super().__new__(PipelinedEngine)
+        return super().__new__(cls)
+
     def __init__(
         self, config: EngineConfig | None = None, *, model: Any = None, tokenizer: Any = None
     ) -> None:

@@ -111,12 +111,13 @@ class ParallelExecutor:
         """Workers stage-major."""
         return [w for stage in self.workers for w in stage]
 
-    def submit(self, sched: SchedulerOutput) -> StepHandle:
-        """Send one step to the workers without waiting."""
+    def submit(self, sched: SchedulerOutput, block_offset: int = 0) -> StepHandle:
+        """Send one step to the workers without waiting (block ids shifted by
+        `block_offset`: a virtual engine's slice of the KV pool)."""
         if self._closed:
             raise WorkerFailedError("this parallel engine was shut down after a failure")
         self._step += 1
-        plan, sampling = plan_step(sched, self.config.block_size, self._step)
+        plan, sampling = plan_step(sched, self.config.block_size, self._step, block_offset)
         plan_ref = ray.put(plan)  # broadcast once: every worker reads the same object
         hidden: Any = None
         watched: list[tuple[ray.ObjectRef[Any], str]] = []

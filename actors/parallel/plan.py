@@ -39,14 +39,18 @@ class StepPlan:
         return int(self.input_ids.size)
 
 
-def plan_step(sched: SchedulerOutput, block_size: int, step: int) -> tuple[StepPlan, list[Request]]:
-    """The step's plan and the requests that sample, in the order of their logits rows."""
+def plan_step(
+    sched: SchedulerOutput, block_size: int, step: int, block_offset: int = 0
+) -> tuple[StepPlan, list[Request]]:
+    """The step's plan and the requests that sample, in the order of their logits rows.
+
+    `block_offset` is added to every block id (a virtual engine's slice of the KV tensors)."""
     decodes = [(r, n) for r, n in sched.scheduled if n == 1 and r.num_computed_tokens > 0]
     others = [(r, n) for r, n in sched.scheduled if not (n == 1 and r.num_computed_tokens)]
     items = decodes + others
     num_cached = np.fromiter((r.num_computed_tokens for r, _ in items), np.int64, len(items))
     num_new = np.fromiter((n for _, n in items), np.int64, len(items))
-    tables = tuple(tuple(r.block_ids) for r, _ in items)
+    tables = tuple(tuple(b + block_offset for b in r.block_ids) for r, _ in items)
     layout = flat_layout(num_cached, num_new)
     ids: list[int] = []
     sampling: list[Request] = []
@@ -68,6 +72,6 @@ def plan_step(sched: SchedulerOutput, block_size: int, step: int) -> tuple[StepP
         cu_seqlens_q=layout.cu_seqlens_q,
         num_decodes=len(decodes),
         logits_indices=np.asarray(rows, dtype=np.int64),
-        block_copies=tuple(sched.block_copies),
+        block_copies=tuple((s + block_offset, d + block_offset) for s, d in sched.block_copies),
     )
     return plan, sampling
