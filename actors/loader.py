@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ def resolve(model: str) -> ModelSource:
     )
 
 
-def load_tokenizer(model: str, trust_remote_code: bool = False):  # noqa: ANN201 (HF type)
+def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
     """The model's tokenizer (with its chat template)."""
     from transformers import AutoTokenizer
 
@@ -84,14 +85,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
-):  # noqa: ANN201 (HF type)
+) -> Any:
     """The model in eval mode on `device`. `smollm2` is converted to the cache on first use."""
     from transformers import AutoModelForCausalLM
 
     if model == EMBEDDED_NAME:
         ensure_embedded_converted()
     source = resolve(model)
-    hf_model = AutoModelForCausalLM.from_pretrained(
+    hf_model: Any = AutoModelForCausalLM.from_pretrained(
         source.path,
         gguf_file=source.gguf_file,
         dtype=dtype,
@@ -118,9 +119,9 @@ def ensure_embedded_converted() -> Path:
     )
     tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
     # save_pretrained refuses GGUF-quantised models; the weights are already dequantised.
-    model.hf_quantizer = None
+    setattr(model, "hf_quantizer", None)  # noqa: B010 (typed attributes of nn.Module)
+    setattr(model, "is_quantized", False)  # noqa: B010
     model.config.quantization_config = None
-    model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)

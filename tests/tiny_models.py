@@ -50,7 +50,9 @@ def tiny_model(arch: str = "llama", seed: int = 0, num_layers: int = 2):
     """A tiny random model in eval mode (float32, CPU), the same for the same seed."""
     torch.manual_seed(seed)
     config = tiny_config(arch, num_layers)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="sdpa"
+    )
     # Random init gives near-uniform logits and many argmax ties; a wider embedding spread
     # makes greedy choices well separated so token comparisons are meaningful.
     with torch.no_grad():
