@@ -1,0 +1,32 @@
+"""A worker that dies mid-step makes the engine fail loudly (a clear error, no hang)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from actors import LLMEngine, SamplingParams
+from actors.parallel.executor import WorkerFailedError
+from tests.parallel.conftest import engine_config
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp,pp,stage,rank", [(2, 1, 0, 1), (1, 2, 1, 0)], ids=["tp", "pp"])
+def test_worker_killed_mid_step_fails_loudly(
+    ray_local, llama_dir, prompts_and_groups, tp, pp, stage, rank
+) -> None:
+    prompts, groups = prompts_and_groups
+    engine = LLMEngine(engine_config(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    executor = engine.runner
+    ray.get(executor.workers[stage][rank].crash_at_step.remote(3))
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError, match=f"stage {stage} tp rank {rank} failed in step 3"):
+        engine.generate(prompts, SamplingParams(max_tokens=4), groups)
+    assert time.monotonic() - started < 90
+    with pytest.raises(WorkerFailedError, match="shut down"):  # no half-alive engine
+        engine.step()
+        engine.step()
+    assert all(s["state"] == "REMOVED" for s in ray.util.placement_group_table().values())
