@@ -14,6 +14,7 @@ from packing.prefix import (
     group_prefixes,
     one_level_optimal_saving_ratio,
     optimal_saving_ratio,
+    prefix_forest,
     saving_ratio,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "optimal_saving_ratio",
     "order_groups",
     "pack",
+    "prefix_forest",
     "prefix_key",
     "saving_ratio",
     "slot_mapping",

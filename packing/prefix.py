@@ -37,11 +37,18 @@ class PrefixGroup:
 
     prefix_len: int  # tokens shared by every member (the group's first-level prefix)
     members: tuple[int, ...]  # indices into the input sequences, ascending
+    # Index of the enclosing group in the same list (nested groups, `prefix_forest`): the
+    # members are a subset of its members and the prefix extends its prefix. None: top level.
+    parent: int | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.prefix_len) or self.prefix_len < 0:
             raise ValueError(
                 f"prefix_len must be a non-negative integer, got {describe(self.prefix_len)}"
+            )
+        if self.parent is not None and (not is_int(self.parent) or self.parent < 0):
+            raise ValueError(
+                f"parent must be None or a group index >= 0, got {describe(self.parent)}"
             )
         previous = -1
         for m in self.members:
@@ -52,12 +59,15 @@ class PrefixGroup:
             raise ValueError("a prefix group needs at least one member, got none")
 
     @classmethod
-    def _unchecked(cls, prefix_len: int, members: tuple[int, ...]) -> PrefixGroup:
+    def _unchecked(
+        cls, prefix_len: int, members: tuple[int, ...], parent: int | None = None
+    ) -> PrefixGroup:
         # group_prefixes builds groups that are valid by construction; skipping the checks
         # keeps planning at O(1) Python work per row (the checks are per member).
         group = object.__new__(cls)
         object.__setattr__(group, "prefix_len", prefix_len)
         object.__setattr__(group, "members", members)
+        object.__setattr__(group, "parent", parent)
         return group
 
     @property
@@ -120,6 +130,49 @@ def group_prefixes(seqs: Seqs, min_shared: int = 1) -> list[PrefixGroup]:
     for g, end in enumerate(ends):
         groups.append(PrefixGroup._unchecked(prefix_list[g], tuple(rows[start:end])))
         start = end
+    return groups
+
+
+def prefix_forest(seqs: Seqs, min_shared: int = 1) -> list[PrefixGroup]:
+    """Nested prefix groups: every branching node of the radix tree, so each shared prefix is
+    computed once at every level (a conversation's opening, then its earlier turns, ...).
+
+    Each group is a radix tree node shared by >= 2 sequences at depth >= `min_shared`; its
+    members are all sequences below it, its prefix_len its depth, its parent the nearest
+    enclosing group (None at the top). Groups come parents first, in depth-first order of
+    the tree (neighbours share deeper prefixes), members ascending. A sequence belongs to
+    every group on its path; a sequence below no group is in none.
+
+    The tree is the one over the sequences without their last token: a prompt's last token
+    must be computed to give the logits of its first output, so prefix_len < every member's
+    length, and the forest computes every distinct proper prefix once plus each sequence's
+    last token (optimal_saving_ratio exactly, unless a sequence equals or is a prefix of
+    another). Cost: group_prefixes' sort and LCP, then O(number of groups) numpy calls.
+    """
+    min_shared = positive_int("min_shared", min_shared)
+    table = token_table(seqs)
+    n = table.num_seqs
+    if n < 2:
+        return []
+    order = sort_sequences(table)
+    # The full sequences' sorted order is also a sorted order of the sequences without their
+    # last token (a sequence that ends at a node sorts first among those below it), so their
+    # neighbour LCPs are the full ones capped at each side's length - 1.
+    shorter = np.minimum(table.lengths[order[:-1]], table.lengths[order[1:]])
+    lcp = np.minimum(neighbour_lcp(table, order), np.maximum(shorter - 1, 0))
+    tree = radix_tree(lcp.tolist(), n)
+    depth = np.asarray(tree.depth, dtype=np.int64)
+    lo = np.asarray(tree.lo, dtype=np.int64)
+    kept = np.flatnonzero(depth >= min_shared)  # depth 0 is the root: nothing shared
+    kept = kept[np.lexsort((depth[kept], lo[kept]))]  # preorder: ancestors first
+    index = np.full(depth.shape[0], -1, dtype=np.int64)
+    index[kept] = np.arange(kept.shape[0])
+    # A kept node's tree parent is kept too, unless it is above min_shared (then: top level).
+    parent = index[np.maximum(np.asarray(tree.parent, dtype=np.int64)[kept], 0)].tolist()
+    groups: list[PrefixGroup] = []
+    for v, p in zip(kept.tolist(), parent, strict=True):
+        members = tuple(np.sort(order[tree.lo[v] : tree.hi[v] + 1]).tolist())
+        groups.append(PrefixGroup._unchecked(tree.depth[v], members, p if p >= 0 else None))
     return groups
 
 
@@ -193,31 +246,47 @@ def _lengths(seqs: Seqs) -> list[int]:
 def saving_ratio(seqs: Seqs, groups: Sequence[PrefixGroup]) -> float:
     """BatchLLM's Eq. 2: 1 - processed prefill tokens / logical prefill tokens.
 
-    processed = sum over groups of prefix_len + sum over members of (length - prefix_len).
-    `groups` must cover every sequence exactly once with prefix_len <= each member's length;
-    that the prefix is really shared is trusted (group_prefixes guarantees it). 0.0 when
-    there are no tokens.
+    processed = for each group, prefix_len minus its parent's prefix_len (0 at the top), plus
+    for each sequence, its length minus the prefix_len of the deepest group holding it (0 in
+    none, as a forest leaves unshared rows out). A row may be in several groups only along
+    one chain of parents: groups list parents first, a child's members are in its parent and
+    its prefix_len is larger. Each prefix_len must be <= its members' lengths; that the prefix is
+    really shared is trusted (the planners guarantee it). 0.0 when there are no tokens.
     """
     lengths = _lengths(seqs)
-    seen = [False] * len(lengths)
-    processed = 0
-    for g in groups:
-        for m in g.members:
-            if not 0 <= m < len(lengths) or seen[m]:
+    deepest = [-1] * len(lengths)  # per sequence: the deepest group seen so far that holds it
+    processed = sum(lengths)
+    for index, g in enumerate(groups):
+        above = 0
+        if g.parent is not None:
+            if not 0 <= g.parent < index:
                 raise ValueError(
-                    f"groups must cover the {len(lengths)} sequences exactly once; row {m} is "
-                    + ("out of range" if not 0 <= m < len(lengths) else "in two groups")
+                    f"group {index}: parent {g.parent} must be an earlier group (0..{index - 1})"
+                )
+            above = groups[g.parent].prefix_len
+            if g.prefix_len <= above:
+                raise ValueError(
+                    f"group {index}: prefix_len {g.prefix_len} must exceed its parent's ({above})"
+                )
+        expected = -1 if g.parent is None else g.parent
+        for m in g.members:
+            if not 0 <= m < len(lengths):
+                raise ValueError(f"group {index}: row {m} is out of range 0..{len(lengths) - 1}")
+            if deepest[m] != expected:
+                raise ValueError(
+                    f"group {index}: row {m} is in two groups"
+                    if g.parent is None or deepest[m] >= 0
+                    else f"group {index}: row {m} is not a member of its parent group {g.parent}"
                 )
             if lengths[m] < g.prefix_len:
                 raise ValueError(
                     f"row {m} has {lengths[m]} tokens, fewer than its group's prefix_len "
                     f"{g.prefix_len}"
                 )
-            seen[m] = True
-            processed += lengths[m] - g.prefix_len
-        processed += g.prefix_len
-    if not all(seen):
-        raise ValueError(f"groups miss row {seen.index(False)} of {len(lengths)}")
+            deepest[m] = index
+            processed -= g.prefix_len - above
+        # The prefix itself is computed once, its parent's part already counted there.
+        processed += g.prefix_len - above
     logical = sum(lengths)
     return 1.0 - processed / logical if logical else 0.0
 
