@@ -40,8 +40,9 @@ def reserve(
         remove_placement_group(pg)
         raise TimeoutError(
             f"placement group {name!r} of {len(bundles)} bundles {bundles} ({strategy}) was not "
-            f"placed within {timeout_s:g} s; the cluster has {_ray().cluster_resources()} in "
-            f"all and {_ray().available_resources()} free (other actors or groups hold the rest)"
+            f"placed within {timeout_s:g} s; the cluster has {_user(_ray().cluster_resources())} "
+            f"in all and {_user(_ray().available_resources())} free (other actors or placement "
+            "groups hold the rest)"
         ) from None
     return pg
 
@@ -52,7 +53,7 @@ def node_resources() -> list[dict[str, float]]:
     for node in _ray().nodes():
         if node.get("Alive"):
             res: dict[str, Any] = node.get("Resources", {})
-            out.append({k: float(v) for k, v in res.items() if _user_resource(k)})
+            out.append(_user(res))
     return out
 
 
@@ -85,8 +86,16 @@ def _ray() -> Any:
     return ray
 
 
-def _user_resource(key: str) -> bool:
-    return not key.startswith("node:") and key not in ("memory", "object_store_memory")
+def _user(resources: dict[str, Any]) -> dict[str, float]:
+    """Resources as users ask for them (no node ids, memory, or placement-group entries)."""
+    return {
+        key: float(value)
+        for key, value in resources.items()
+        if not key.startswith("node:")
+        and key not in ("memory", "object_store_memory")
+        and "_group_" not in key
+        and not key.startswith("bundle_group")
+    }
 
 
 def _sum(items: list[dict[str, float]]) -> dict[str, float]:
