@@ -162,7 +162,10 @@ class LLMEngine:
         """Generate for every prompt to completion; outputs in input order.
 
         `prefix_groups` (from the planner) name prompts that share their first `prefix_len`
-        tokens: the prefix is computed once and its KV blocks shared by the members.
+        tokens: the prefix is computed once and its KV blocks shared by the members. Groups
+        may nest (`PrefixGroup.parent`, as `packing.prefix_forest` makes them): a nested
+        group's prefix extends its parent's, computing only its own extra tokens, and each
+        prompt starts from the deepest group that holds it.
         """
         if params is None or isinstance(params, SamplingParams):
             per_prompt = [params or SamplingParams()] * len(prompts)
@@ -178,9 +181,13 @@ class LLMEngine:
         ids: list[str | None] = [None] * len(prompts)
         queued: set[int] = set()
         for index in _planned_order(len(prompts), prefix_groups or ()):
+            chain = []  # the prompt's groups not queued yet, innermost first
             group = groups.get(index)
-            if group is not None and id(group) not in queued:
-                self.scheduler.add(group.prefix)  # the shared prefix runs before its members
+            while group is not None and id(group) not in queued:
+                chain.append(group)
+                group = group.parent
+            for group in reversed(chain):  # a shared prefix runs before its members
+                self.scheduler.add(group.prefix)
                 queued.add(id(group))
             req = self._add(token_ids[index], per_prompt[index], None, group)
             ids[index] = req.request_id
@@ -347,34 +354,100 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 def _planned_order(num_prompts: int, groups: Sequence[PrefixGroup]) -> list[int]:
-    """Input order, except that a group's members run together at its first member's place."""
-    first_of: dict[int, tuple[int, ...]] = {}
-    grouped: set[int] = set()
-    for group in groups:
+    """Input order, except that a group's members run together at its first member's place,
+    and inside it each nested group's members run together the same way (depth first)."""
+    chains: dict[int, list[int]] = {}  # prompt -> its groups, outermost first
+    for g, group in enumerate(groups):  # parents come first (checked by _plan_groups)
         if len(group.members) >= 2:
-            first_of[min(group.members)] = tuple(group.members)
-            grouped.update(group.members)
+            for m in group.members:
+                chains.setdefault(m, []).append(g)
     order: list[int] = []
+    visited: set[int] = set()
+
+    def visit(g: int, level: int) -> None:
+        visited.add(g)
+        for m in groups[g].members:
+            chain = chains[m]
+            if len(chain) == level + 1:
+                order.append(m)
+            elif chain[level + 1] not in visited:
+                visit(chain[level + 1], level + 1)
+
     for index in range(num_prompts):
-        if index in first_of:
-            order.extend(first_of[index])
-        elif index not in grouped:
+        chain = chains.get(index)
+        if chain is None:
             order.append(index)
+        elif chain[0] not in visited:
+            visit(chain[0], 0)
     return order
 
 
 def _plan_groups(
     token_ids: list[list[int]], groups: Sequence[PrefixGroup], engine: LLMEngine
 ) -> dict[int, PrefixGroupState]:
-    """Validate prefix groups and create each one's internal prefix request."""
-    states: dict[int, PrefixGroupState] = {}
+    """Validate prefix groups and create each one's internal prefix request; returns the
+    deepest group of every grouped prompt."""
+    deepest = _check_groups(token_ids, groups)
+    # A group shares only when >= 2 of its members can run (prompts that will end in an
+    # error row do not wait for a prefix); the others' rows fall to the nearest one above.
+    runnable = [
+        [m for m in group.members if engine._check_prompt(token_ids[m]) is None] for group in groups
+    ]
+    nearest: list[PrefixGroupState | None] = []  # per group: itself or the sharing one above
+    for g, group in enumerate(groups):
+        above = nearest[group.parent] if group.parent is not None else None
+        if len(runnable[g]) < 2 or group.prefix_len < 1:
+            nearest.append(above)
+            continue
+        prefix = token_ids[group.members[0]][: group.prefix_len]
+        prefix_req = Request(f"prefix-{engine._next_id}", prefix, SamplingParams(), is_prefix=True)
+        engine._next_id += 1
+        state = PrefixGroupState(prefix=prefix_req, num_unfinished_members=0, parent=above)
+        prefix_req.group = state
+        if above is not None:
+            above.num_unfinished_members += 1  # the nested prefix is a member of its parent
+        nearest.append(state)
+    of_prompt: dict[int, PrefixGroupState] = {}
+    for m, g in deepest.items():
+        shared = nearest[g]
+        if shared is not None and engine._check_prompt(token_ids[m]) is None:
+            of_prompt[m] = shared
+            shared.num_unfinished_members += 1
+    return of_prompt
+
+
+def _check_groups(token_ids: list[list[int]], groups: Sequence[PrefixGroup]) -> dict[int, int]:
+    """ValueError naming the group unless every group's members are prompt indices that
+    share its prefix and nested groups nest; returns each grouped prompt's deepest group."""
+    deepest: dict[int, int] = {}
     for g, group in enumerate(groups):
         members = tuple(group.members)
+        parent = group.parent
+        if parent is not None:
+            if not 0 <= parent < g:
+                raise ValueError(
+                    f"prefix group {g}: parent {parent} must be an earlier group (0..{g - 1})"
+                )
+            if group.prefix_len <= groups[parent].prefix_len:
+                raise ValueError(
+                    f"prefix group {g}: prefix_len {group.prefix_len} must exceed its parent "
+                    f"group {parent}'s {groups[parent].prefix_len}"
+                )
+            outside = sorted(set(members) - set(groups[parent].members))
+            if outside:
+                raise ValueError(
+                    f"prefix group {g}: members {outside} are not members of its parent "
+                    f"group {parent}"
+                )
         for m in members:
             if not 0 <= m < len(token_ids):
                 raise ValueError(f"prefix group {g}: member {m} is not a prompt index")
-            if m in states:
-                raise ValueError(f"prompt {m} is in more than one prefix group")
+            if deepest.get(m) != parent:
+                raise ValueError(
+                    f"prompt {m} is in more than one prefix group (groups {deepest[m]} and "
+                    f"{g}, not nested)"
+                )
+            deepest[m] = g
         prefix = token_ids[members[0]][: group.prefix_len] if members else []
         if len(prefix) < group.prefix_len or any(
             token_ids[m][: group.prefix_len] != prefix for m in members
@@ -383,14 +456,4 @@ def _plan_groups(
                 f"prefix group {g}: members {members} do not all start with the same "
                 f"{group.prefix_len} tokens"
             )
-        # Members that will end in an error row (e.g. too long) do not wait for the prefix.
-        members = tuple(m for m in members if engine._check_prompt(token_ids[m]) is None)
-        if len(members) < 2 or group.prefix_len < 1:
-            continue  # nothing to share
-        prefix_req = Request(f"prefix-{engine._next_id}", prefix, SamplingParams(), is_prefix=True)
-        engine._next_id += 1
-        state = PrefixGroupState(prefix=prefix_req, num_unfinished_members=len(members))
-        prefix_req.group = state
-        for m in members:
-            states[m] = state
-    return states
+    return deepest

@@ -28,10 +28,24 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class PrefixGroupState:
     """A prefix group inside the engine: the internal request that computes the shared
-    prefix once, and how many members still need its blocks."""
+    prefix once, and how many members still need its blocks.
+
+    Groups nest: a group with a `parent` has its prefix request as a member of the parent
+    (it starts from the parent's blocks and computes only its own extra tokens), and counts
+    among the parent's unfinished members until its own last member finishes.
+    """
 
     prefix: Request
-    num_unfinished_members: int
+    num_unfinished_members: int  # prompts and child groups that still need the blocks
+    parent: PrefixGroupState | None = None
+
+    @property
+    def root(self) -> PrefixGroupState:
+        """The outermost enclosing group (the whole tree lives on one KV pool)."""
+        group = self
+        while group.parent is not None:
+            group = group.parent
+        return group
 
     @property
     def ready(self) -> bool:
@@ -79,6 +93,14 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.logprobs is not None:
             self.logprobs = []
+
+    @property
+    def member_of(self) -> PrefixGroupState | None:
+        """The group whose computed prefix starts this request's block table: its own group
+        for a member, the enclosing group for a nested group's prefix request."""
+        if self.group is None:
+            return None
+        return self.group.parent if self.is_prefix else self.group
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,9 @@ recomputed later (its full blocks usually come back from the prefix cache).
 
 Prefix groups: the group's internal prefix request is admitted like any other; its members
 wait until it is fully computed, then take references to its full blocks and get a copy of its
-trailing partial block (copy-on-write), so the prefix is computed exactly once.
+trailing partial block (copy-on-write), so the prefix is computed exactly once. Groups nest:
+a nested group's prefix request is a member of its parent group in the same way, and is
+released (its blocks dropped) when its own last member finishes.
 """
 
 from __future__ import annotations
@@ -149,8 +151,8 @@ class Scheduler:
             req.status = RequestStatus.FINISHED
             if req.finish_reason is None:
                 req.finish_reason = reason
-            group = req.group
-            if group is not None and not req.is_prefix:
+            group = req.member_of
+            if group is not None:
                 group.num_unfinished_members -= 1
                 if group.num_unfinished_members == 0:
                     self._release_prefix(group.prefix)
@@ -163,7 +165,7 @@ class Scheduler:
     def _next_admissible(self) -> Request | None:
         for req in self.waiting:
             # A member waits for its group's prefix; requests behind it may go first.
-            if req.group is not None and not req.is_prefix and not _prefix_ready(req):
+            if req.member_of is not None and not _prefix_ready(req):
                 continue
             return req
         return None
@@ -173,8 +175,8 @@ class Scheduler:
         to copy the trailing partial prefix block from (None: nothing to copy)."""
         cached = self.kv.find_cached_blocks(req)
         num_cached = len(cached) * self.kv.block_size
-        group = req.group
-        if group is not None and not req.is_prefix:
+        group = req.member_of
+        if group is not None:
             # Leave one token to compute: the next token is sampled from its logits.
             num_shared = min(group.prefix.num_tokens, req.num_tokens - 1)
             if num_shared > num_cached:
@@ -207,5 +209,5 @@ class Scheduler:
 
 
 def _prefix_ready(req: Request) -> bool:
-    group = req.group
+    group = req.member_of
     return group is not None and group.ready and bool(group.prefix.block_ids)

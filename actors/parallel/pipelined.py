@@ -46,7 +46,9 @@ class VirtualSchedulers:
 
     def add(self, request: Request) -> None:
         """Queue a request in its set."""
-        group_key = request.group.prefix.request_id if request.group is not None else None
+        # A nested group's tree shares blocks from its root down: all of it in one set.
+        group = request.group.root if request.group is not None else None
+        group_key = group.prefix.request_id if group is not None else None
         if group_key is not None and group_key in self._owner:
             index = self._owner[group_key]
         else:
@@ -67,8 +69,10 @@ class VirtualSchedulers:
         for index, reqs in by_set.items():
             self.schedulers[index].finish(reqs, reason)
         for req in requests:  # a group's prefix ends inside its scheduler with its last member
-            if req.group is not None and req.group.num_unfinished_members == 0:
-                self._owner.pop(req.group.prefix.request_id, None)
+            group = req.group  # (and a nested group's end may end the groups around it)
+            while group is not None and group.num_unfinished_members == 0:
+                self._owner.pop(group.prefix.request_id, None)
+                group = group.parent
 
     def _load(self, index: int) -> int:
         scheduler = self.schedulers[index]
