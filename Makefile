@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) jobs/demo.py
+	rm -rf out/snippets
+	$(PY) jobs/snippets.py --input jobs/data/snippets_sample.jsonl --output out/snippets --keep-columns doc_id,query
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

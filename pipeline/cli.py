@@ -78,6 +78,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-partitions", type=int, help="shuffle partitions (default: from the input size)"
     )
+    p.add_argument(
+        "--prefix-key-tokens",
+        type=int,
+        default=64,
+        help="leading tokens hashed into the shuffle key: rows sharing fewer are not grouped; "
+        "fewer tokens group more, but rows with a common opening all meet in one partition",
+    )
 
     c = parser.add_argument_group("compute")
     c.add_argument("--num-actors", type=int, default=1, help="engine actors")
@@ -135,6 +142,7 @@ def job_config(
             max_rows_per_shard=args.max_rows_per_shard,
             max_tokens_per_shard=args.max_tokens_per_shard,
             num_partitions=args.num_partitions,
+            key_block_size=args.prefix_key_tokens,
         ),
         compute=ComputeConfig(
             num_actors=args.num_actors,

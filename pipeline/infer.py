@@ -16,10 +16,12 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 
 from actors.config import EngineConfig, SamplingParams
+from actors.outputs import RequestOutput
 from pipeline import stage
 from pipeline.logs import setup_worker_logging
 from pipeline.prompts import merge_sampling
@@ -54,7 +56,10 @@ class InferStage(Stage):
             started = time.perf_counter()
             engine = LLMEngine(engine_config)
             logger.info(
-                "engine for %s loaded in %.1fs", engine_config.model, time.perf_counter() - started
+                "engine for %s loaded in %.1fs (%d torch threads)",
+                engine_config.model,
+                time.perf_counter() - started,
+                torch.get_num_threads(),
             )
         self.engine = engine
         self.sampling = sampling
@@ -79,99 +84,60 @@ class InferStage(Stage):
 
     def process(self, batch: pa.Table) -> pa.Table:
         if batch.num_rows == 0:  # keep the kept columns' types in the empty result
-            return self._rows(batch, "", [], [], [], [], [], [])
+            return self._rows(batch, "", _Members.of(batch), [], _Layout([], []))
         return pa.concat_tables([self.run_shard(batch.slice(i, 1)) for i in range(batch.num_rows)])
 
     def run_shard(self, shard: pa.Table) -> pa.Table:
         """One shard row -> its members' output rows."""
-        from packing import PrefixGroup
-
         shard_id = shard.column(stage.SHARD)[0].as_py()
-        members = {
-            name: shard.column(name)[0].as_py()
-            for name in (
-                stage.ID,
-                stage.PROMPT_TOKEN_IDS,
-                stage.NUM_PROMPT_TOKENS,
-                stage.SAMPLING,
-                stage.ERROR,
-            )
-        }
-        ids = members[stage.ID]
-        errors: list[str | None] = list(members[stage.ERROR])
-        sizes = shard.column(stage.GROUP_SIZES)[0].as_py()
-        prefix_lens = shard.column(stage.GROUP_PREFIX_LENS)[0].as_py()
-
-        runnable = [i for i, e in enumerate(errors) if e is None]
-        position = {row: k for k, row in enumerate(runnable)}  # shard row -> prompt index
-        group_of: list[int] = []
-        shared_len: list[int] = []
-        prefix_groups = []
-        start = 0
-        for g, (size, plen) in enumerate(zip(sizes, prefix_lens, strict=True)):
-            rows = range(start, start + size)
-            group_of.extend([g] * size)
-            shared_len.extend([plen if size > 1 else 0] * size)
-            in_run = [position[r] for r in rows if r in position]
-            if plen > 0 and len(in_run) > 1:
-                prefix_groups.append(PrefixGroup(plen, tuple(in_run)))
-            start += size
-        assert start == len(ids), f"shard {shard_id}: groups cover {start} of {len(ids)} rows"
-
-        outputs = [None] * len(ids)
+        members = _Members.of(shard)
+        runnable = [i for i, e in enumerate(members.errors) if e is None]
+        layout = _Layout.of(shard, members, runnable)
+        outputs: list[RequestOutput | None] = [None] * len(members.ids)
         started = time.perf_counter()
         if runnable:
-            prompts = [members[stage.PROMPT_TOKEN_IDS][i] for i in runnable]
+            prompts = [members.token_ids[i] for i in runnable]
             params = [
-                merge_sampling(self.sampling, json.loads(members[stage.SAMPLING][i] or "{}"))
+                merge_sampling(self.sampling, json.loads(members.sampling[i] or "{}"))
                 for i in runnable
             ]
             try:
-                results = self.engine.generate(prompts, params, prefix_groups)
+                results = self.engine.generate(prompts, params, layout.prefix_groups)
             except Exception as exc:  # an engine bug must not lose the other shards' work
                 logger.exception("shard %s: the engine failed; its rows get an error", shard_id)
                 for i in runnable:
-                    errors[i] = f"engine failed: {type(exc).__name__}: {exc}"
+                    members.errors[i] = f"engine failed: {type(exc).__name__}: {exc}"
             else:
                 for i, out in zip(runnable, results, strict=True):
                     outputs[i] = out
-        elapsed = time.perf_counter() - started
-        table = self._rows(
-            shard,
-            shard_id,
-            ids,
-            members[stage.NUM_PROMPT_TOKENS],
-            errors,
-            outputs,
-            group_of,
-            shared_len,
-        )
-        self._log(shard_id, table, len(prefix_groups), elapsed)
+        table = self._rows(shard, shard_id, members, outputs, layout)
+        self._log(shard_id, table, len(layout.prefix_groups), time.perf_counter() - started)
         return table
 
     def _rows(
-        self, shard, shard_id, ids, num_prompt, errors, outputs, group_of, shared_len
-    ) -> pa.Table:  # noqa: ANN001, PLR0913
-        text, token_ids, reasons, cached, generated, ttft = [], [], [], [], [], []
+        self,
+        shard: pa.Table,
+        shard_id: str,
+        members: _Members,
+        outputs: list[RequestOutput | None],
+        layout: _Layout,
+    ) -> pa.Table:
+        n = len(members.ids)
+        errors, num_prompt = members.errors, list(members.num_prompt_tokens)
+        text: list[str | None] = [None] * n
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        reasons = ["error"] * n
+        cached, generated = [0] * n, [0] * n
+        ttft: list[float | None] = [None] * n
         for i, out in enumerate(outputs):
             if out is None:
-                text.append(None)
-                token_ids.append([])
-                reasons.append("error")
-                cached.append(0)
-                generated.append(0)
-                ttft.append(None)
                 continue
-            text.append(out.text)
-            token_ids.append(list(out.token_ids))
-            reasons.append(out.finish_reason)
-            cached.append(out.num_cached_tokens)
-            generated.append(len(out.token_ids))
-            ttft.append(out.time_to_first_token)
-            if out.error is not None:
-                errors[i] = out.error
+            text[i], token_ids[i], reasons[i] = out.text, list(out.token_ids), out.finish_reason
+            cached[i], generated[i] = out.num_cached_tokens, len(out.token_ids)
+            ttft[i] = out.time_to_first_token
+            errors[i] = out.error if out.error is not None else errors[i]
             num_prompt[i] = out.num_prompt_tokens or num_prompt[i]
-        columns: dict[str, pa.Array] = {stage.ID: pa.array(ids, pa.string())}
+        columns: dict[str, pa.Array] = {stage.ID: pa.array(members.ids, pa.string())}
         for name in self.keep_columns:
             columns[name] = shard.column(name).combine_chunks().flatten()
         columns.update(
@@ -184,9 +150,11 @@ class InferStage(Stage):
                 stage.NUM_GENERATED_TOKENS: pa.array(generated, pa.int32()),
                 stage.TTFT: pa.array(ttft, pa.float64()),
                 stage.ERROR: pa.array(errors, pa.string()),
-                stage.SHARD: pa.array([shard_id] * len(ids), pa.string()),
-                stage.PREFIX_GROUP: pa.array([f"{shard_id}/{g}" for g in group_of], pa.string()),
-                stage.SHARED_PREFIX_LEN: pa.array(shared_len, pa.int32()),
+                stage.SHARD: pa.array([shard_id] * n, pa.string()),
+                stage.PREFIX_GROUP: pa.array(
+                    [f"{shard_id}/{g}" for g in layout.group_of], pa.string()
+                ),
+                stage.SHARED_PREFIX_LEN: pa.array(layout.shared_len, pa.int32()),
             }
         )
         return pa.table(columns)
@@ -210,3 +178,58 @@ class InferStage(Stage):
             elapsed,
             generated / elapsed if elapsed > 0 else 0.0,
         )
+
+
+@dataclass
+class _Members:
+    """A shard row's list columns as Python lists (errors is filled in as rows fail)."""
+
+    ids: list[str]
+    token_ids: list[list[int]]
+    num_prompt_tokens: list[int]
+    sampling: list[str | None]
+    errors: list[str | None]
+
+    @classmethod
+    def of(cls, shard: pa.Table) -> _Members:
+        """The members of the first shard row (all empty for an empty table)."""
+        names = (
+            stage.ID,
+            stage.PROMPT_TOKEN_IDS,
+            stage.NUM_PROMPT_TOKENS,
+            stage.SAMPLING,
+            stage.ERROR,
+        )
+        if shard.num_rows == 0:
+            return cls([], [], [], [], [])
+        return cls(*(list(shard.column(name)[0].as_py()) for name in names))
+
+
+@dataclass
+class _Layout:
+    """The shard's prefix groups: each member's group index and shared prefix length, and
+    the engine's PrefixGroups over the runnable members (indices into the prompt list)."""
+
+    group_of: list[int]
+    shared_len: list[int]
+    prefix_groups: list = field(default_factory=list)  # list[packing.PrefixGroup]
+
+    @classmethod
+    def of(cls, shard: pa.Table, members: _Members, runnable: list[int]) -> _Layout:
+        """Read `group_sizes` / `group_prefix_lens` of a shard row."""
+        from packing import PrefixGroup
+
+        position = {row: k for k, row in enumerate(runnable)}  # shard row -> prompt index
+        layout = cls([], [])
+        start = 0
+        sizes = shard.column(stage.GROUP_SIZES)[0].as_py()
+        prefix_lens = shard.column(stage.GROUP_PREFIX_LENS)[0].as_py()
+        for g, (size, plen) in enumerate(zip(sizes, prefix_lens, strict=True)):
+            layout.group_of.extend([g] * size)
+            layout.shared_len.extend([plen if size > 1 else 0] * size)
+            in_run = [position[r] for r in range(start, start + size) if r in position]
+            if plen > 0 and len(in_run) > 1:
+                layout.prefix_groups.append(PrefixGroup(plen, tuple(in_run)))
+            start += size
+        assert start == len(members.ids), f"groups cover {start} of {len(members.ids)} rows"
+        return layout

@@ -159,6 +159,7 @@ def build_dataset(
     )
     # One shard per block, so one actor task is one shard: an actor that dies redoes only it.
     ds = ds.repartition(target_num_rows_per_block=1)
+    actor_args = engine_actor_args(config)
     with warnings.catch_warnings():
         # max_restarts / max_task_retries have no named parameter in map_batches (2.60), and
         # Ray Data's default is to retry forever: a shard that kills its actor every time
@@ -171,12 +172,12 @@ def build_dataset(
                 sampling=config.sampling,
                 text_column=config.text_column,
                 keep_columns=keep,
-                torch_threads=compute.torch_threads,
+                torch_threads=compute.torch_threads or default_torch_threads(config, actor_args),
             ),
             batch_format="pyarrow",
             batch_size=1,
             compute=ray.data.ActorPoolStrategy(size=compute.num_actors),
-            **engine_actor_args(config),
+            **actor_args,
         )
 
 
@@ -198,6 +199,21 @@ def engine_actor_args(config: JobConfig) -> dict:
     if compute.resources:
         args["resources"] = dict(compute.resources)
     return args
+
+
+def default_torch_threads(config: JobConfig, actor_args: dict) -> int | None:
+    """Torch threads of a CPU engine actor: the cluster's CPUs shared by the engine actors.
+
+    Ray sets OMP_NUM_THREADS to an actor's whole CPUs, so a 0.5-CPU actor would run torch
+    on one thread however many cores are idle; the CPU fraction is only for scheduling.
+    None (torch's default) for GPU actors.
+    """
+    import ray
+
+    if actor_args["num_gpus"]:
+        return None
+    cpus = ray.cluster_resources().get("CPU", 1)
+    return max(1, int(cpus // config.compute.num_actors))
 
 
 def check_cpu_room(config: JobConfig, cluster_cpus: float) -> None:

@@ -26,6 +26,7 @@ import pyarrow as pa
 from actors.config import SamplingParams
 from pipeline import stage
 from pipeline.config import PlanConfig
+from pipeline.logs import setup_worker_logging
 from pipeline.stage import Stage
 
 logger = logging.getLogger(__name__)
@@ -302,6 +303,7 @@ class PlanStage(Stage):
         )
 
     def process(self, batch: pa.Table) -> pa.Table:
+        setup_worker_logging()
         shards, stats = plan_partition(batch, self.config, self.sampling, self.keep_columns)
         if self.collector is not None and batch.num_rows:
             import ray

@@ -16,6 +16,7 @@ import pyarrow as pa
 from actors.config import SamplingParams
 from pipeline import stage
 from pipeline.config import PromptConfig
+from pipeline.logs import setup_worker_logging
 from pipeline.prompts import PromptBuilder, RowError, merge_sampling, sampling_overrides
 from pipeline.stage import Stage
 
@@ -44,6 +45,7 @@ class TokenizeStage(Stage):
         trust_remote_code: bool = False,
         tokenizer=None,  # noqa: ANN001 (HF tokenizer; tests pass one, actors load it)
     ):
+        setup_worker_logging()
         if tokenizer is None:
             from actors.loader import load_tokenizer
 
