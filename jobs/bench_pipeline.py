@@ -164,9 +164,10 @@ def run_pair(name: str, table: list[dict], prompt: PromptConfig, args, workdir: 
             "generated_tokens_per_s": summary.generated_tokens_per_s,
             "generated_tokens": summary.generated_tokens,
             "errors": summary.error_rows,
-            "planned_saving_ratio": summary.planned_saving_ratio,
-            "engine_saving_ratio": summary.prefix_saving_ratio,
-            "cached_prompt_tokens": summary.cached_prompt_tokens,
+            "prefix_saving_ratio": summary.prefix_saving_ratio,
+            "engine_cached_ratio": round(
+                summary.cached_prompt_tokens / max(summary.prompt_tokens, 1), 5
+            ),
             "shared_groups": summary.num_shared_groups,
         }
     on = result["runs"].get("on")
@@ -175,7 +176,7 @@ def run_pair(name: str, table: list[dict], prompt: PromptConfig, args, workdir: 
             speedup = result["runs"][baseline]["wall_s"] / on["wall_s"]
             result[f"speedup_vs_{baseline}"] = round(speedup, 3)
     if on:
-        planned = on["planned_saving_ratio"]
+        planned = on["prefix_saving_ratio"]
         result["saving_vs_optimum"] = round(planned / result["optimal_saving_ratio"], 4)
         result["saving_vs_one_level_optimum"] = round(
             planned / result["one_level_optimal_saving_ratio"], 4
@@ -278,7 +279,7 @@ def _table(out: dict) -> str:
         for mode, run in r["runs"].items():
             lines.append(
                 f"  {mode:11}: {run['wall_s']:.1f}s, {run['rows_per_s']:.2f} rows/s, "
-                f"{run['generated_tokens_per_s']:.1f} gen tok/s, saving {run['planned_saving_ratio']:.1%}"
+                f"{run['generated_tokens_per_s']:.1f} gen tok/s, saving {run['prefix_saving_ratio']:.1%}"
             )
         lines += [f"  {k} {v:.2f}x" for k, v in r.items() if k.startswith("speedup_vs_")]
     lines += [f"{k}: {'met' if v else 'NOT met'}" for k, v in out["bars"].items()]

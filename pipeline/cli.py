@@ -79,6 +79,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-partitions", type=int, help="shuffle partitions (default: from the input size)"
     )
     p.add_argument(
+        "--no-nested-groups",
+        action="store_true",
+        help="give the engine only first-level prefix groups (no common openings shared)",
+    )
+    p.add_argument(
         "--prefix-key-tokens",
         type=int,
         default=64,
@@ -143,6 +148,7 @@ def job_config(
             max_tokens_per_shard=args.max_tokens_per_shard,
             num_partitions=args.num_partitions,
             key_block_size=args.prefix_key_tokens,
+            nested=not args.no_nested_groups,
         ),
         compute=ComputeConfig(
             num_actors=args.num_actors,

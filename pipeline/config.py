@@ -129,16 +129,28 @@ class PlanConfig:
     and `max_tokens_per_shard` prompt tokens (a shared prefix counted once). A single group
     larger than that is split, its prefix repeated in each part. `prefix_grouping=False`
     skips the shuffle and the grouping (every row alone), for comparison.
+
+    With `nested`, the engine gets every shared prefix inside a shard as nested groups
+    (`packing.prefix_forest`: a common opening once, then each document once, ...) rather
+    than only the first-level groups; prefixes shorter than `nested_min_shared` tokens are
+    not worth a group of their own.
     """
 
     prefix_grouping: bool = True
+    nested: bool = True
+    nested_min_shared: int = 4
     key_block_size: int = 64  # tokens hashed into the prefix key (rows shorter have none)
     max_rows_per_shard: int = 256
     max_tokens_per_shard: int = 65536
     num_partitions: int | None = None  # hash partitions of the shuffle; None: 4 per engine actor
 
     def __post_init__(self) -> None:
-        for name in ("key_block_size", "max_rows_per_shard", "max_tokens_per_shard"):
+        for name in (
+            "key_block_size",
+            "max_rows_per_shard",
+            "max_tokens_per_shard",
+            "nested_min_shared",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,8 +1,8 @@
 """The engine actor stage: whole shard rows in, one output row per member out.
 
-Each actor loads its engine once and keeps it across shards. A shard's prefix groups go to
-`engine.generate` as `packing.PrefixGroup`s over the shard's prompts, so each shared prefix is
-computed once. Rows that arrive with an error skip the engine and come out as they are.
+Each actor loads its engine once and keeps it across shards. A shard's prefix groups (nested when
+the plan made them so) go to `engine.generate` as `packing.PrefixGroup`s over the shard's
+prompts, so each shared prefix is computed once. Rows that arrive with an error skip the engine and come out as they are.
 
 If the actor process dies mid-shard, Ray restarts it (`max_restarts`) and runs the shard again
 (`max_task_retries`); nothing of a shard is written until the whole shard is done, so a redo
@@ -76,7 +76,9 @@ class InferStage(Stage):
             stage.SAMPLING,
             stage.ERROR,
             stage.GROUP_SIZES,
-            stage.GROUP_PREFIX_LENS,
+            stage.ENGINE_GROUP_MEMBERS,
+            stage.ENGINE_GROUP_PREFIX_LENS,
+            stage.ENGINE_GROUP_PARENTS,
         )
 
     def column_help(self) -> dict[str, str]:
@@ -207,8 +209,9 @@ class _Members:
 
 @dataclass
 class _Layout:
-    """The shard's prefix groups: each member's group index and shared prefix length, and
-    the engine's PrefixGroups over the runnable members (indices into the prompt list)."""
+    """A shard's groups: each member's first-level group and the prompt tokens a shared
+    prefix computes for it, and the engine's (possibly nested) PrefixGroups over the prompt
+    list."""
 
     group_of: list[int]
     shared_len: list[int]
@@ -216,20 +219,27 @@ class _Layout:
 
     @classmethod
     def of(cls, shard: pa.Table, members: _Members, runnable: list[int]) -> _Layout:
-        """Read `group_sizes` / `group_prefix_lens` of a shard row."""
+        """Read a shard row's `group_*` and `engine_group_*` columns."""
         from packing import PrefixGroup
 
-        position = {row: k for k, row in enumerate(runnable)}  # shard row -> prompt index
-        layout = cls([], [])
-        start = 0
-        sizes = shard.column(stage.GROUP_SIZES)[0].as_py()
-        prefix_lens = shard.column(stage.GROUP_PREFIX_LENS)[0].as_py()
-        for g, (size, plen) in enumerate(zip(sizes, prefix_lens, strict=True)):
+        n = len(members.ids)
+        layout = cls([], [0] * n)
+        for g, size in enumerate(shard.column(stage.GROUP_SIZES)[0].as_py()):
             layout.group_of.extend([g] * size)
-            layout.shared_len.extend([plen if size > 1 else 0] * size)
-            in_run = [position[r] for r in range(start, start + size) if r in position]
-            if plen > 0 and len(in_run) > 1:
-                layout.prefix_groups.append(PrefixGroup(plen, tuple(in_run)))
-            start += size
-        assert start == len(members.ids), f"groups cover {start} of {len(members.ids)} rows"
+        assert len(layout.group_of) == n, f"groups cover {len(layout.group_of)} of {n} rows"
+        groups = zip(
+            shard.column(stage.ENGINE_GROUP_MEMBERS)[0].as_py(),
+            shard.column(stage.ENGINE_GROUP_PREFIX_LENS)[0].as_py(),
+            shard.column(stage.ENGINE_GROUP_PARENTS)[0].as_py(),
+            strict=True,
+        )
+        # The planner puts rows with an error in shards of their own, so in a shard with
+        # groups every row reaches the engine and shard row i is prompt i.
+        assert len(runnable) == n or not shard.column(stage.ENGINE_GROUP_MEMBERS)[0].as_py()
+        for rows, prefix_len, parent in groups:
+            layout.prefix_groups.append(
+                PrefixGroup(prefix_len, tuple(rows), None if parent < 0 else parent)
+            )
+            for r in rows:  # parents come first, so the deepest group is seen last
+                layout.shared_len[r] = prefix_len
         return layout

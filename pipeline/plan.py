@@ -7,9 +7,14 @@ limit, so a group is never split between engine actors, unless it alone is over 
 when its parts each repeat the prefix (logged). Rows without a shared prefix are packed into
 the same shards, so the engine always sees many sequences at once.
 
-The output is one row per shard with list columns (the members in shard order) and the group
-structure (`group_sizes`, `group_prefix_lens`); the engine actor consumes whole shard rows, so
-batching cannot cut a group either.
+Inside a shard the engine gets `packing.prefix_forest`'s nested groups over the shard's rows
+(PlanConfig.nested): what the first-level groups share, and also what they share with each
+other (a common opening) and what members share beyond their group's prefix.
+
+The output is one row per shard with list columns (the members in shard order), the
+first-level groups (`group_sizes`, `group_prefix_lens`) and the engine's groups
+(`engine_group_*`); the engine actor consumes whole shard rows, so batching cannot cut a
+group either.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ class PlanStats:
     error_rows: int = 0
     duplicate_rows: int = 0  # same id seen twice: generated once
     prompt_tokens: int = 0
-    planned_saved_tokens: int = 0  # prefix tokens the groups compute once instead of n times
+    planned_saved_tokens: int = 0  # prompt tokens the engine groups compute once, not per row
     optimal_saved_tokens: int = 0  # the radix-tree optimum for the same rows
     num_shards: int = 0
     split_groups: int = 0
@@ -208,14 +213,46 @@ def plan_partition(
     stats.error_rows = len(failed)
     stats.prompt_tokens = sum(lens[i] for i in valid)
     stats.num_shards = len(shards)
+    engine_groups = []
     for shard in shards:
+        rows = [r for g in shard for r in g.rows]
+        if errors[rows[0]] is not None:  # an error shard: nothing runs
+            engine_groups.append([])
+            continue
         for g in shard:
-            if errors[g.rows[0]] is None:
-                stats.share_degrees[len(g.rows)] += 1
-                stats.planned_saved_tokens += g.prefix_len * (len(g.rows) - 1)
+            stats.share_degrees[len(g.rows)] += 1
+        groups = shard_engine_groups(shard, [token_ids[r] for r in rows], config)
+        engine_groups.append(groups)
+        stats.planned_saved_tokens += saved_tokens([token_ids[r] for r in rows], groups)
     if config.prefix_grouping and len(valid) > 1:
         stats.optimal_saved_tokens = optimal_saved_tokens([token_ids[i] for i in valid])
-    return _shard_table(table, shards, keep_columns), stats
+    return _shard_table(table, shards, engine_groups, keep_columns), stats
+
+
+def shard_engine_groups(
+    shard: Sequence[PlannedGroup], token_ids: Sequence[Sequence[int]], config: PlanConfig
+) -> list:
+    """The engine's prefix groups over one shard's rows (indices in shard order): nested
+    (`packing.prefix_forest`) when configured, else the shard's first-level groups."""
+    from packing import PrefixGroup
+    from packing.prefix import prefix_forest
+
+    if config.prefix_grouping and config.nested:
+        return prefix_forest(token_ids, min_shared=config.nested_min_shared)
+    groups, start = [], 0
+    for g in shard:
+        if len(g.rows) > 1 and g.prefix_len > 0:
+            groups.append(PrefixGroup(g.prefix_len, tuple(range(start, start + len(g.rows)))))
+        start += len(g.rows)
+    return groups
+
+
+def saved_tokens(token_ids: Sequence[Sequence[int]], groups: Sequence) -> int:
+    """Prompt tokens the groups compute once instead of per row (packing.saving_ratio)."""
+    from packing import saving_ratio
+
+    total = sum(len(t) for t in token_ids)
+    return round(saving_ratio(token_ids, groups) * total) if groups else 0
 
 
 def optimal_saved_tokens(token_ids: Sequence[Sequence[int]]) -> int:
@@ -235,7 +272,10 @@ def _decode_lens(sampling: Sequence[str | None], defaults: SamplingParams) -> li
 
 
 def _shard_table(
-    table: pa.Table, shards: Sequence[Sequence[PlannedGroup]], keep_columns: Sequence[str]
+    table: pa.Table,
+    shards: Sequence[Sequence[PlannedGroup]],
+    engine_groups: Sequence[Sequence],
+    keep_columns: Sequence[str],
 ) -> pa.Table:
     order_ = [r for shard in shards for g in shard for r in g.rows]
     offsets = [0]
@@ -264,6 +304,17 @@ def _shard_table(
     )
     columns[stage.GROUP_PREFIX_LENS] = pa.array(
         [[g.prefix_len for g in shard] for shard in shards], pa.list_(pa.int32())
+    )
+    columns[stage.ENGINE_GROUP_MEMBERS] = pa.array(
+        [[list(g.members) for g in groups] for groups in engine_groups],
+        pa.list_(pa.list_(pa.int32())),
+    )
+    columns[stage.ENGINE_GROUP_PREFIX_LENS] = pa.array(
+        [[g.prefix_len for g in groups] for groups in engine_groups], pa.list_(pa.int32())
+    )
+    columns[stage.ENGINE_GROUP_PARENTS] = pa.array(
+        [[-1 if g.parent is None else g.parent for g in groups] for groups in engine_groups],
+        pa.list_(pa.int32()),
     )
     return pa.table(columns)
 

@@ -55,14 +55,13 @@ class Summary:
     rows_skipped: int  # already in the output folder before this run
     error_rows: int
     prompt_tokens: int
-    cached_prompt_tokens: int  # as the engines report: each member counts its shared prefix
+    cached_prompt_tokens: int  # as the engines report: every member counts its shared prefix
     generated_tokens: int
     wall_time_s: float
     rows_per_s: float
     generated_tokens_per_s: float
     tokens_per_s: float  # prompt + generated
-    prefix_saving_ratio: float  # prompt tokens not computed (a shared prefix once) / all
-    planned_saving_ratio: float  # what the plan's prefix groups share
+    prefix_saving_ratio: float  # prompt tokens the groups compute once, not per row / all
     optimal_saving_ratio: float  # the best any prefix sharing could do on these rows
     saving_vs_optimum: float | None  # prefix_saving_ratio / optimal_saving_ratio
     num_shards: int
@@ -80,8 +79,8 @@ class Summary:
             f"{self.wall_time_s:.1f}s: {self.prompt_tokens} prompt + {self.generated_tokens} "
             f"generated tokens, {self.generated_tokens_per_s:.1f} generated tok/s, "
             f"{self.tokens_per_s:.1f} tok/s; prefix saving {self.prefix_saving_ratio:.1%} "
-            f"(planned {self.planned_saving_ratio:.1%}, optimum {self.optimal_saving_ratio:.1%}, "
-            f"{vs}); {self.num_shards} shards, {self.num_shared_groups} shared groups"
+            f"(optimum {self.optimal_saving_ratio:.1%}, {vs}); {self.num_shards} shards, "
+            f"{self.num_shared_groups} shared groups"
         )
 
 
@@ -92,7 +91,6 @@ _COLUMNS = [
     stage.ERROR,
     stage.SHARD,
     stage.PREFIX_GROUP,
-    stage.SHARED_PREFIX_LEN,
 ]
 
 
@@ -114,20 +112,17 @@ def summarize(
     prompt = sum(prompt_lens)
     cached = sum(rows[stage.NUM_CACHED_TOKENS][i] for i in ok)
     generated = sum(rows[stage.NUM_GENERATED_TOKENS][i] for i in ok)
-    group_sizes = Counter(rows[stage.PREFIX_GROUP][i] for i in ok)
-    degrees = sorted(group_sizes.values())
-    # An engine counts a shared prefix as cached for every member, the first included, but
-    # computes it once per group: saved = cached - one prefix per shared group.
-    prefix_of = {rows[stage.PREFIX_GROUP][i]: rows[stage.SHARED_PREFIX_LEN][i] for i in ok}
-    computed_once = sum(p for g, p in prefix_of.items() if group_sizes[g] > 1)
-    saved = max(0, cached - computed_once)
+    degrees = sorted(Counter(rows[stage.PREFIX_GROUP][i] for i in ok).values())
+    # The plan's count, not the engines' cached tokens: an engine counts a shared prefix as
+    # cached for every member, though it computes it once per group.
+    saved = plan.planned_saved_tokens
     by_shard: dict[str, list[int]] = {}
     for i in ok:
         by_shard.setdefault(rows[stage.SHARD][i], []).append(rows[stage.NUM_PROMPT_TOKENS][i])
     padded = sum(max(lens) * len(lens) for lens in by_shard.values())
     n = len(rows[stage.ERROR])
     wall = max(wall_time_s, 1e-9)
-    achieved = saved / prompt if prompt else 0.0
+    achieved = saved / plan.prompt_tokens if plan.prompt_tokens else 0.0
     optimal = plan.optimal_saved_tokens / plan.prompt_tokens if plan.prompt_tokens else 0.0
     summary = Summary(
         output=str(output),
@@ -142,9 +137,6 @@ def summarize(
         generated_tokens_per_s=round(generated / wall, 3),
         tokens_per_s=round((prompt + generated) / wall, 3),
         prefix_saving_ratio=round(achieved, 5),
-        planned_saving_ratio=round(
-            plan.planned_saved_tokens / plan.prompt_tokens if plan.prompt_tokens else 0.0, 5
-        ),
         optimal_saving_ratio=round(optimal, 5),
         saving_vs_optimum=round(achieved / optimal, 5) if optimal > 0 else None,
         num_shards=len({*rows[stage.SHARD]}),

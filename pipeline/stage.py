@@ -22,8 +22,12 @@ SHUFFLE_KEY = "shuffle_key"  # the prefix key, or a hash of the id for rows with
 
 # Between the planner and the engine actors: one row per shard, list columns per member.
 SHARD = "shard"
-GROUP_SIZES = "group_sizes"  # members of each prefix group, in shard order
+GROUP_SIZES = "group_sizes"  # members of each first-level prefix group, in shard order
 GROUP_PREFIX_LENS = "group_prefix_lens"  # tokens each group shares (0: nothing shared)
+# What the engine gets: prefix groups over the shard's rows, possibly nested (parent -1: top).
+ENGINE_GROUP_MEMBERS = "engine_group_members"  # list of shard row indices per group
+ENGINE_GROUP_PREFIX_LENS = "engine_group_prefix_lens"
+ENGINE_GROUP_PARENTS = "engine_group_parents"
 
 # What the engine actors write (plus the kept input columns and the text column).
 GENERATED_TOKEN_IDS = "generated_token_ids"
@@ -32,7 +36,7 @@ NUM_CACHED_TOKENS = "num_cached_tokens"
 NUM_GENERATED_TOKENS = "num_generated_tokens"
 TTFT = "time_to_first_token_s"
 PREFIX_GROUP = "prefix_group"  # "<shard>/<group index>": rows computed with one shared prefix
-SHARED_PREFIX_LEN = "shared_prefix_len"  # tokens of the prefix the plan shared, 0 when alone
+SHARED_PREFIX_LEN = "shared_prefix_len"  # prompt tokens computed by a shared prefix, 0: none
 
 TOKEN_LIST = pa.list_(pa.int32())
 

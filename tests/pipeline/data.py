@@ -1,7 +1,8 @@
 """A small synthetic prompt table for the pipeline tests.
 
 Eight documents of about 100 tokens with 3 to 6 questions each (rows sharing a document share
-a prompt prefix well over one 64-token key block), six short prompts with no prefix key, and
+a prompt prefix well over one 64-token key block, and all rows share the template's opening,
+so the engine gets nested groups), six short prompts with no prefix key, and
 malformed rows: a null document, a document over the tiny model's 512-token
 context, an unknown and an invalid sampling override.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-TEMPLATE = "{document}\n\nQuestion: {query}\nAnswer:"
+TEMPLATE = "Read the note, then answer.\n\n{document}\n\nQuestion: {query}\nAnswer:"
 SAMPLE = Path(__file__).parents[2] / "jobs" / "data" / "snippets_sample.jsonl"
 QUESTIONS = ["what is it", "who uses it", "why", "how fast", "is it safe", "an example"]
 QUERIES_PER_DOC = [3, 4, 5, 6, 3, 4, 3, 5]

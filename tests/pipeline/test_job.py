@@ -90,8 +90,8 @@ def test_one_actor_every_id_once_equal_to_engine(
     for row in valid:
         by_doc[row["doc_id"]].append(out[row["id"]])
     for doc, members in by_doc.items():
-        if doc.startswith("short-"):
-            assert members[0]["shared_prefix_len"] == 0
+        if doc.startswith("short-"):  # at most the template's opening is shared
+            assert members[0]["shared_prefix_len"] < 16
             continue
         assert len({m["prefix_group"] for m in members}) == 1, doc
         assert all(m["shared_prefix_len"] > 64 and m["num_cached_tokens"] > 0 for m in members)

@@ -95,6 +95,32 @@ def test_plan_groups_rows_sharing_a_prefix_and_passes_errors_through():
     assert stats.planned_saved_tokens == 80 * 2 + 70
     assert stats.share_degrees == {3: 1, 2: 1, 1: 1}
     assert stats.optimal_saved_tokens >= stats.planned_saved_tokens
+    assert sorted(main[stage.ENGINE_GROUP_PREFIX_LENS]) == [70, 80]
+    assert main[stage.ENGINE_GROUP_PARENTS] == [-1, -1]
+
+
+@pytest.mark.parametrize(("nested", "saved"), [(True, 8 * 3 + 80 + 70), (False, 88 + 78)])
+def test_nested_groups_share_a_common_opening_once(nested, saved):
+    """Two documents behind one 8-token opening: nested groups compute the opening once, then
+    each document once; first-level groups compute opening + document per document."""
+    opening = list(range(900, 908))
+    rows = [
+        ("a0", opening + DOC_A + [1], None),
+        ("a1", opening + DOC_A + [2], None),
+        ("b0", opening + DOC_B + [3], None),
+        ("b1", opening + DOC_B + [4], None),
+    ]
+    config = PlanConfig(nested=nested)
+    shards, stats = plan_partition(tokenized(rows), config, SamplingParams(), [])
+    assert stats.planned_saved_tokens == saved
+    shard = shards.to_pylist()[0]
+    groups = sorted(
+        zip(shard[stage.ENGINE_GROUP_PREFIX_LENS], shard[stage.ENGINE_GROUP_PARENTS], strict=True)
+    )
+    if nested:
+        assert groups == [(8, -1), (78, 0), (88, 0)]
+    else:
+        assert groups == [(78, -1), (88, -1)]
 
 
 def test_plan_without_grouping_leaves_every_row_alone():
@@ -249,8 +275,8 @@ def test_report_from_output_files(tmp_path):
     )
     assert (summary.rows, summary.error_rows, summary.rows_skipped) == (4, 1, 5)
     assert summary.prompt_tokens == 81 + 82 + 2
-    assert summary.prefix_saving_ratio == round(80 / 165, 5)  # cached 160, prefix computed once
-    assert summary.planned_saving_ratio == round(80 / 163, 5)
+    assert summary.prefix_saving_ratio == round(80 / 163, 5)  # the plan's count, not 160 cached
+    assert summary.cached_prompt_tokens == 160
     assert summary.padding_avoided_tokens == 82 * 3 - 165
     assert summary.num_shared_groups == 1 and summary.max_share_degree == 2
     write_report(tmp_path, summary, dists)
