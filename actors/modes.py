@@ -75,6 +75,8 @@ def padded_prefill(
     model: Any, prompts: Sequence[Sequence[int]], padding_side: PaddingSide = "left"
 ) -> PrefillResult:
     """HF-style full batching: one padded row per prompt, then each prompt's K/V cut out."""
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     lengths = _lengths(prompts)
     width = max(lengths)
     pad_id = _pad_id(model)

@@ -139,6 +139,8 @@ def test_bad_inputs_are_value_errors(reference_models, prompt_ids) -> None:
         modes.padded_prefill(model, [[5, 6], []])
     with pytest.raises(ValueError, match="at least one prompt"):
         modes.prepack_prefill(model, [])
+    with pytest.raises(ValueError, match="padding_side must be 'left' or 'right'"):
+        modes.padded_prefill(model, prompt_ids, padding_side="middle")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mode must be 'padded' or 'prepack'"):
         modes.prefill(model, prompt_ids, "varlen")  # type: ignore[arg-type]
 
