@@ -130,9 +130,9 @@ def run_pair(name: str, table: list[dict], prompt: PromptConfig, args, workdir: 
         input=InputConfig(str(path)),
         prompt=prompt,
         output=str(workdir / f"{name}-out"),
-        engine=EngineConfig(model=args.model),
+        engine=EngineConfig(model=args.model, kv_cache_memory_gb=args.kv_cache_memory_gb),
         sampling=SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
-        plan=PlanConfig(key_block_size=args.key_tokens),
+        plan=PlanConfig(key_block_size=args.key_tokens, max_rows_per_shard=args.max_rows_per_shard),
         compute=ComputeConfig(num_actors=1),
     )
     # The same tokens the pipeline sees, for the optimum.
@@ -212,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", choices=["hh", "snippets"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=1.0,
+        help="the engine's KV pool; shrink it with the data to see a cache that cannot hold "
+        "every document, as at production scale",
+    )
+    parser.add_argument("--max-rows-per-shard", type=int, default=256)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -227,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     out: dict = {
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "max_rows_per_shard": args.max_rows_per_shard,
         "model": args.model,
         "cpus": os.cpu_count(),
         "max_tokens": args.max_tokens,
