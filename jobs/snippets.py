@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-column", default="snippet", help="name of the generated snippet column"
     )
     add_engine_args(parser)
-    parser.set_defaults(max_tokens=48)
+    # A snippet is a sentence or two: a blank line ends it (small models repeat themselves).
+    parser.set_defaults(max_tokens=48, stop=["\n\n"])
     return parser
 
 
