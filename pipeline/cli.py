@@ -11,8 +11,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict
 
-from actors.config import EngineConfig, SamplingParams
+from actors.config import SamplingParams
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
+from pipeline.engine_flags import add_engine_flags, engine_config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +46,7 @@ def add_io_args(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Model, engine, default sampling, plan and compute flags."""
-    g = parser.add_argument_group("model and engine")
-    g.add_argument(
-        "--model", default="smollm2", help="'smollm2' (embedded), a local HF folder or a .gguf file"
-    )
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument(
-        "--no-prefix-caching", action="store_true", help="no block-hash prefix cache in the engine"
-    )
+    add_engine_flags(parser)
 
     s = parser.add_argument_group("sampling (defaults; per-row columns override them)")
     s.add_argument("--max-tokens", type=int, default=64)
@@ -124,15 +114,7 @@ def job_config(
         ),
         prompt=prompt,
         output=args.output,
-        engine=EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            kv_cache_memory_gb=args.kv_cache_memory_gb,
-            max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching,
-        ),
+        engine=engine_config_from_args(args),
         sampling=SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,

@@ -1,0 +1,117 @@
+"""The engine's command-line flags, shared by the offline job (pipeline/cli.py) and serving
+(pipeline/serve/cli.py), so both speak the same vocabulary (vLLM's CLI names:
+`--tensor-parallel-size`/`-tp`, `--pipeline-parallel-size`/`-pp`, `--max-num-batched-tokens`).
+
+    group = add_engine_flags(parser)            # the flags, in one argparse group
+    group.add_argument("--served-model-name")   # a caller's own engine-side flags, if any
+    engine = engine_config_from_args(parser.parse_args())
+
+Defaults come from `EngineConfig`, except the KV pool (1 GiB: the CLIs' long-standing default,
+enough for the embedded 135M model); a caller can pass its own defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, get_args
+
+from actors.config import EngineConfig, PlacementStrategy
+
+DEFAULT_KV_CACHE_MEMORY_GB = 1.0
+
+# The EngineConfig fields a flag sets, by argparse dest (the flag is --dest-with-dashes).
+_FIELDS = (
+    "model",
+    "dtype",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "chunk_size",
+    "kv_cache_memory_gb",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "placement_strategy",
+    "worker_num_cpus",
+)
+
+
+def add_engine_flags(
+    parser: argparse.ArgumentParser,
+    title: str = "model and engine",
+    *,
+    kv_cache_memory_gb: float = DEFAULT_KV_CACHE_MEMORY_GB,
+) -> argparse._ArgumentGroup:
+    """Add the model, engine and parallelism flags as one group; return the group so a
+    caller can add its own engine-side flags beside them."""
+    d = EngineConfig()
+    g = parser.add_argument_group(title)
+    g.add_argument(
+        "--model", default=d.model, help="'smollm2' (embedded), a local HF folder or a .gguf file"
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="default: float32 on CPU, bfloat16 on GPU",
+    )
+    g.add_argument("--max-model-len", type=int, help="context length cap (default: the model's)")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="tokens per engine step (decodes plus prefill chunks)",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=d.max_num_seqs, help="running requests at most"
+    )
+    g.add_argument(
+        "--chunk-size",
+        type=int,
+        help="prefill tokens per request per step (default: limited by the step budget only)",
+    )
+    g.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=kv_cache_memory_gb,
+        help="KV cache size per engine (split across its pipeline stages)",
+    )
+    g.add_argument(
+        "--no-prefix-caching", action="store_true", help="no block-hash prefix cache in the engine"
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="workers per pipeline stage, each with 1/tp of the heads and MLP (one GPU each)",
+    )
+    g.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=d.pipeline_parallel_size,
+        help="pipeline stages, each a contiguous slice of the decoder layers",
+    )
+    g.add_argument(
+        "--placement-strategy",
+        choices=get_args(PlacementStrategy),
+        default=d.placement_strategy,
+        help="Ray placement strategy of an engine's tp x pp bundles (tp alone: STRICT_PACK); "
+        "SPREAD puts pipeline stages on different nodes",
+    )
+    g.add_argument(
+        "--worker-num-cpus",
+        type=float,
+        default=d.worker_num_cpus,
+        help="CPUs in each tp x pp worker's bundle",
+    )
+    return g
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The EngineConfig the flags describe (`overrides` win); ValueError names a bad value.
+    Flags a parser did not add keep EngineConfig's defaults."""
+    values: dict[str, Any] = {f: getattr(args, f) for f in _FIELDS if hasattr(args, f)}
+    if hasattr(args, "no_prefix_caching"):
+        values["enable_prefix_caching"] = not args.no_prefix_caching
+    values.update(overrides)
+    return EngineConfig(**values)

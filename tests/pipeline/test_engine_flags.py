@@ -1,0 +1,48 @@
+"""The shared engine flags: vLLM's names in, the EngineConfig they describe out."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from actors.config import EngineConfig
+from pipeline.engine_flags import add_engine_flags, engine_config_from_args
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_defaults_are_the_engine_config_defaults_but_a_1_gib_kv_pool() -> None:
+    assert engine_config_from_args(_parse()) == EngineConfig(kv_cache_memory_gb=1.0)
+
+
+def test_parallel_and_engine_flags() -> None:
+    args = _parse(
+        *("--model", "/m", "-tp", "2", "--pipeline-parallel-size", "3"),
+        *("--placement-strategy", "SPREAD", "--worker-num-cpus", "0.25", "--chunk-size", "7"),
+        *("--max-num-batched-tokens", "48", "--no-prefix-caching", "--dtype", "bfloat16"),
+    )
+    config = engine_config_from_args(args, seed=5)
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (2, 3)
+    assert config.world_size == 6 and config.placement_strategy == "SPREAD"
+    assert (config.worker_num_cpus, config.chunk_size, config.max_num_batched_tokens) == (
+        0.25,
+        7,
+        48,
+    )
+    assert not config.enable_prefix_caching and config.dtype == "bfloat16"
+    assert config.model == "/m" and config.seed == 5
+
+
+def test_a_bad_value_names_the_field() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        engine_config_from_args(_parse("-tp", "0"))
+
+
+def test_a_parser_with_fewer_flags_keeps_the_defaults() -> None:
+    config = engine_config_from_args(argparse.Namespace(model="/m", max_num_seqs=8))
+    assert config == EngineConfig(model="/m", max_num_seqs=8)
