@@ -11,6 +11,10 @@ many of them to hand to the engine together (one packed prefill). Three policies
   [ttft_low_s, ttft_high_s], multiplicative decrease by `beta` above it, unchanged inside
   (hysteresis). A burst override admits at once when the queue depth or the EWMA arrival rate
   passes its threshold, and a timeout bounds how long any request waits. N_t starts at n_min.
+  Waiting only pays if the group can fill: once the arrivals expected before the timeout (at
+  the smoothed inter-arrival gap) can no longer bring the queue to N_t, the group goes in now
+  (`no_fill`) instead of idling to the timeout. At low load that makes aimd admit like
+  immediate, whatever N_t the slack has grown.
 
 Pure code: no torch, no ray, no clocks. Every input (the time, the queue, observed TTFTs,
 arrivals) is an explicit argument, so the rule is tested without a server.
@@ -26,7 +30,15 @@ from typing import Literal
 
 AdmissionPolicy = Literal["immediate", "fixed", "aimd"]
 AdmitReason = Literal[
-    "empty", "wait", "immediate", "window", "threshold", "burst_depth", "burst_rate", "timeout"
+    "empty",
+    "wait",
+    "immediate",
+    "window",
+    "threshold",
+    "burst_depth",
+    "burst_rate",
+    "no_fill",
+    "timeout",
 ]
 POLICIES: tuple[AdmissionPolicy, ...] = ("immediate", "fixed", "aimd")
 
@@ -187,7 +199,19 @@ class AdmissionController:
             return AdmissionDecision(queue_depth, "burst_rate")
         if now >= timeout_at:
             return AdmissionDecision(queue_depth, "timeout")
-        return AdmissionDecision(0, "wait", timeout_at)
+        fill_by = self._fill_deadline(queue_depth, timeout_at)
+        if now >= fill_by:
+            return AdmissionDecision(queue_depth, "no_fill")
+        return AdmissionDecision(0, "wait", fill_by)
+
+    def _fill_deadline(self, queue_depth: int, timeout_at: float) -> float:
+        """The last moment the queue can still be expected to reach N_t by the timeout: the
+        missing requests arrive one smoothed gap apart. Without a gap estimate (fewer than
+        two arrivals seen) there is no evidence either way, so the timeout."""
+        if self._gap_ewma is None:
+            return timeout_at
+        missing = self.threshold - queue_depth
+        return min(timeout_at, timeout_at - missing * self._gap_ewma)
 
 
 def next_threshold(config: AdmissionConfig, threshold: float, smoothed_p95_ttft: float) -> float:

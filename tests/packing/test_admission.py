@@ -63,6 +63,19 @@ def test_aimd_threshold_and_timeout() -> None:
     assert (timeout.count, timeout.reason) == (1, "timeout")
 
 
+def test_aimd_waits_only_while_the_group_can_fill() -> None:
+    ctl = aimd(n_min=4, max_wait_s=0.5, burst_arrival_rate=1e9, arrival_ewma_weight=1.0)
+    ctl.observe_arrival(0.0)
+    ctl.observe_arrival(0.1)  # one arrival every 0.1 s
+    # three more needed, 0.1 s apart: they can still come by the timeout (0.5 s) until 0.2 s
+    wait = ctl.decide(0.1, 1, 0.1)
+    assert (wait.count, wait.reason) == (0, "wait") and wait.wake_at == pytest.approx(0.3)
+    assert ctl.decide(0.3, 1, 0.1).reason == "no_fill"
+    assert ctl.decide(0.1, 3, 0.1).wake_at == pytest.approx(0.5)  # one missing
+    ctl.observe_arrival(2.1)  # now one every 2 s: no group can fill, admit at once
+    assert ctl.decide(2.1, 1, 2.1).reason == "no_fill"
+
+
 def test_aimd_increase_decrease_and_hysteresis() -> None:
     ctl = aimd(ttft_ewma_weight=1.0, ttft_window=1, alpha=2.0, beta=0.5)
     ctl.observe_ttfts([0.1])  # below the band: +alpha
@@ -219,3 +232,41 @@ def test_waking_at_wake_at_admits(config: AdmissionConfig, oldest: float, depth:
         if first.count == 0:
             assert first.wake_at is not None
             assert ctl.decide(first.wake_at, depth, oldest).count == depth
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs, st.lists(st.floats(0.0, 0.5), min_size=1, max_size=30), st.integers(1, 200))
+def test_waiting_never_outlasts_the_timeout(
+    config: AdmissionConfig, gaps: list[float], depth: int
+) -> None:
+    """With an arrival-rate estimate, a wait ends by the timeout and waking then admits."""
+    ctl = AdmissionController(config)
+    now = 0.0
+    ctl.observe_arrival(now)
+    for gap in gaps:
+        now += gap
+        ctl.observe_arrival(now)
+    decision = ctl.decide(now, depth, now)
+    if decision.count == 0:
+        assert decision.wake_at is not None
+        assert now < decision.wake_at <= now + config.max_wait_s
+        assert ctl.decide(decision.wake_at, depth, now).count == depth
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs, st.lists(st.floats(0.0, 2.0), min_size=1, max_size=30), st.integers(0, 64))
+def test_sparse_arrivals_are_admitted_at_once(
+    config: AdmissionConfig, extra_gaps: list[float], slack_updates: int
+) -> None:
+    """At low load (arrivals at least max_wait_s apart) aimd admits like immediate, even with
+    N_t grown by slack: no group can fill before the timeout, so nobody waits for one."""
+    config = replace(config, n_min=1)
+    ctl = AdmissionController(config)
+    for _ in range(slack_updates):
+        ctl.observe_ttfts([0.0])
+    now = 0.0
+    ctl.observe_arrival(now)
+    for extra in extra_gaps:
+        now += config.max_wait_s + extra
+        ctl.observe_arrival(now)
+        assert ctl.decide(now, 1, now).count == 1
