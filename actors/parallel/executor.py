@@ -6,6 +6,11 @@ states (tp rank 0's result) directly from the object store, so the driver only s
 stage's logits. `submit` returns at once, so several steps can be in flight (see
 `actors.parallel.pipelined`); `collect` waits for one, and any worker that dies or fails
 makes it raise `WorkerFailedError` after tearing the group down (no hang in a collective).
+
+An engine whose actor already runs in a placement group (one group per engine actor, as
+pipeline/job.py and Ray's LLM layer give them) puts its workers in that group's bundles,
+worker i in bundle i, the engine actor itself beside worker 0 in bundle 0, and leaves the
+group to its owner on shutdown. Otherwise it reserves a group of its own and removes it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from typing import Any
 
 import ray
 import torch
-from ray.util.placement_group import remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config import EngineConfig
@@ -65,19 +74,16 @@ class ParallelExecutor:
         device = config.device or (
             "cuda" if placement._ray().cluster_resources().get("GPU") else "cpu"
         )
-        bundle: dict[str, float] = {"CPU": config.worker_num_cpus}
-        if device.startswith("cuda"):
-            bundle["GPU"] = 1.0
-        strategy = "STRICT_PACK" if self.pp == 1 else config.placement_strategy
-        self.pg = placement.reserve(
-            [dict(bundle) for _ in range(config.world_size)], strategy, placement_timeout_s
+        bundles = placement.worker_bundles(
+            config.world_size, config.worker_num_cpus, device.startswith("cuda")
         )
+        self.pg, self.owns_placement_group = self._placement_group(bundles, placement_timeout_s)
         remote = ray.remote(StageWorker)
         self.workers: list[list[Any]] = [
             [
                 remote.options(
-                    num_cpus=bundle["CPU"],
-                    num_gpus=bundle.get("GPU", 0),
+                    num_cpus=bundles[0]["CPU"],
+                    num_gpus=bundles[0].get("GPU", 0),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.pg, placement_group_bundle_index=stage * self.tp + rank
                     ),
@@ -91,6 +97,24 @@ class ParallelExecutor:
         except Exception:
             self.shutdown()
             raise
+
+    def _placement_group(
+        self, bundles: list[placement.Bundle], timeout_s: float
+    ) -> tuple[PlacementGroup, bool]:
+        """The engine actor's own placement group when it runs in one (worker i in bundle i;
+        the caller keeps it), else a new group of `bundles` that this engine owns."""
+        current = get_current_placement_group()
+        if current is None:
+            strategy = "STRICT_PACK" if self.pp == 1 else self.config.placement_strategy
+            return placement.reserve(bundles, strategy, timeout_s), True
+        problem = placement.check_holds(current.bundle_specs, bundles)
+        if problem is not None:
+            raise ValueError(
+                f"this engine runs in placement group {current.id.hex()} but cannot place its "
+                f"tp={self.tp} x pp={self.pp} workers there: {problem}"
+            )
+        logger.info("parallel engine uses its actor's placement group %s", current.id.hex())
+        return current, False
 
     def _start(self, dtype: str, timeout_s: float) -> None:
         if self.tp > 1:
@@ -168,13 +192,15 @@ class ParallelExecutor:
         ) from cause
 
     def shutdown(self) -> None:
-        """Kill the workers and release the placement group (idempotent)."""
+        """Kill the workers and release the placement group if this engine reserved it (a
+        group it was started in belongs to its caller); idempotent."""
         if self._closed:
             return
         self._closed = True
         for worker in self.all_workers:
             ray.kill(worker, no_restart=True)
-        remove_placement_group(self.pg)
+        if self.owns_placement_group:
+            remove_placement_group(self.pg)
 
     def __del__(self) -> None:
         try:

@@ -3,6 +3,13 @@
 A Ray placement group that cannot be placed stays PENDING with no error. `reserve` first
 checks that the bundles can fit the cluster's nodes at all (an immediate `ValueError`), then
 waits for the group with a timeout (a `TimeoutError` naming what was asked and what is free).
+
+An engine whose own actor already runs in a placement group (a Ray Data actor given one
+group per actor, a Serve replica with `placement_group_bundles`) uses that group instead:
+`worker_bundles` is the layout both sides agree on (bundle `stage * tp + rank` per worker, the
+engine actor's own share added to bundle 0), and `check_holds` says why a group cannot take
+the workers. This is how Ray's LLM layer runs vLLM (one group per engine replica, workers
+found through `ray.util.get_current_placement_group()`).
 """
 
 from __future__ import annotations
@@ -45,6 +52,57 @@ def reserve(
             "groups hold the rest)"
         ) from None
     return pg
+
+
+def worker_bundles(
+    world_size: int, worker_num_cpus: float, gpu: bool, engine_share: Bundle | None = None
+) -> list[Bundle]:
+    """The bundles of one tp x pp engine: one per worker (a GPU each when `gpu`), stage-major;
+    `engine_share` (the engine actor's own resources) is added to bundle 0, so the engine
+    actor sits beside worker 0 (stage 0, tp rank 0) and a group holds a whole engine."""
+    bundle: Bundle = {"CPU": worker_num_cpus}
+    if gpu:
+        bundle["GPU"] = 1.0
+    bundles = [dict(bundle) for _ in range(world_size)]
+    for key, value in (engine_share or {}).items():
+        if value:
+            bundles[0][key] = bundles[0].get(key, 0.0) + value
+    return bundles
+
+
+def check_holds(group_bundles: list[Bundle], workers: list[Bundle]) -> str | None:
+    """Why a placement group of `group_bundles` cannot take `workers` (worker i in bundle i),
+    or None when it can (bundle 0's engine share is not known here and not checked)."""
+    if len(group_bundles) < len(workers):
+        return (
+            f"the group has {len(group_bundles)} bundles and the engine needs one per worker "
+            f"({len(workers)}: tensor_parallel_size x pipeline_parallel_size)"
+        )
+    for i, (have, need) in enumerate(zip(group_bundles, workers, strict=False)):
+        if not _fits(need, _user(have)):
+            return f"bundle {i} {_user(have)} cannot hold worker {i}'s {need}"
+    return None
+
+
+def groups_infeasible(
+    bundles: list[Bundle], strategy: str, num_groups: int, nodes: list[dict[str, float]]
+) -> str | None:
+    """Why `num_groups` placement groups of `bundles` can never all be placed on `nodes`, or
+    None when they can (a per-group check, then the sum; STRICT_PACK groups counted per
+    node). Ignores what other groups hold now."""
+    problem = infeasible(bundles, strategy, nodes)
+    if problem is not None or num_groups <= 1:
+        return problem
+    total = _sum(bundles)
+    if strategy == "STRICT_PACK":
+        fit = sum(_times(total, node) for node in nodes)
+        if fit < num_groups:
+            return f"{num_groups} groups of {total} each on one node: the nodes hold {fit}"
+        return None
+    need = {key: value * num_groups for key, value in total.items()}
+    if not _fits(need, _sum(nodes)):
+        return f"{num_groups} groups need {need} in all"
+    return None
 
 
 def node_resources() -> list[dict[str, float]]:
@@ -104,6 +162,12 @@ def _sum(items: list[dict[str, float]]) -> dict[str, float]:
         for key, value in item.items():
             total[key] = total.get(key, 0.0) + value
     return total
+
+
+def _times(demand: dict[str, float], capacity: dict[str, float]) -> int:
+    """How many times `demand` fits in `capacity`."""
+    counts = [int(capacity.get(k, 0.0) / v + 1e-9) for k, v in demand.items() if v > 0]
+    return min(counts) if counts else 0
 
 
 def _fits(demand: dict[str, float], capacity: dict[str, float]) -> bool:
