@@ -46,7 +46,9 @@ class _SamplingFields(_Request):
         default=None, description="Up to 4 strings that end generation; they are cut from the text."
     )
     seed: int | None = Field(default=None, description="Seed for sampling; same seed, same tokens.")
-    n: int = Field(default=1, ge=1, le=1, description="Number of choices; only 1 is supported.")
+    n: int = Field(
+        default=1, ge=1, description="Number of choices; only 1 is supported (400 otherwise)."
+    )
     stream: bool = Field(default=False, description="Stream tokens as server-sent events.")
     stream_options: StreamOptions | None = Field(
         default=None, description="Streaming options (only with stream=true)."
@@ -62,6 +64,15 @@ class _SamplingFields(_Request):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) of the first OpenAI option set to something this server cannot do.
+
+        Such fields are accepted at their neutral values (clients often send `"logprobs":
+        null` or `"echo": false`) and refused otherwise, never silently ignored."""
+        if self.n != 1:
+            return "n", f"n is {self.n}; this server returns one choice per request (n=1)"
+        return None
+
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
@@ -72,6 +83,23 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(
         default=None, ge=1, description="Tokens to generate at most. Default 16."
     )
+    logprobs: int | None = Field(
+        default=None, ge=0, le=5, description="Not supported: only null is accepted."
+    )
+    echo: bool = Field(default=False, description="Not supported: only false is accepted.")
+    best_of: int | None = Field(
+        default=None, ge=1, description="Not supported beyond 1: one candidate per request."
+    )
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) of the first option set to something this server cannot do."""
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported by this server; omit it or send null"
+        if self.echo:
+            return "echo", "echo is not supported by this server; omit it or send false"
+        if self.best_of not in (None, 1):
+            return "best_of", f"best_of is {self.best_of}; this server supports only 1"
+        return super().unsupported()
 
 
 class TextPart(_Request):
@@ -109,6 +137,20 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(
         default=None, ge=1, description="Tokens to generate at most. Default: the server's limit."
     )
+    logprobs: bool | None = Field(
+        default=None, description="Not supported: only false or null is accepted."
+    )
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=20, description="Not supported: only null is accepted."
+    )
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) of the first option set to something this server cannot do."""
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported by this server; omit it or send false"
+        if self.top_logprobs is not None:
+            return "top_logprobs", "top_logprobs is not supported by this server; omit it"
+        return super().unsupported()
 
 
 class PromptTokensDetails(BaseModel):

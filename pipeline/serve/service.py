@@ -207,6 +207,9 @@ class OpenAIService:
                 "max_tokens",
                 "context_length_exceeded",
             )
+        unsupported = request.unsupported()
+        if unsupported is not None:
+            raise bad_request(unsupported[1], unsupported[0], "unsupported_value")
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         try:

@@ -42,7 +42,14 @@ def error_of(response: requests.Response, status: int) -> dict:
         ("/v1/completions", {**OK, "max_tokens": 401}, "max_tokens", None),
         ("/v1/completions", {**OK, "temperature": 2.5}, "temperature", None),
         ("/v1/completions", {**OK, "top_p": 0}, "top_p", None),
-        ("/v1/completions", {**OK, "n": 2}, "n", None),
+        ("/v1/completions", {**OK, "n": 2}, "n", "unsupported_value"),
+        ("/v1/chat/completions", {**CHAT_OK, "n": 3}, "n", "unsupported_value"),
+        ("/v1/completions", {**OK, "logprobs": 1}, "logprobs", "unsupported_value"),
+        ("/v1/completions", {**OK, "logprobs": 9}, "logprobs", None),
+        ("/v1/completions", {**OK, "echo": True}, "echo", "unsupported_value"),
+        ("/v1/completions", {**OK, "best_of": 2}, "best_of", "unsupported_value"),
+        ("/v1/chat/completions", {**CHAT_OK, "logprobs": True}, "logprobs", "unsupported_value"),
+        ("/v1/chat/completions", {**CHAT_OK, "top_logprobs": 2}, "top_logprobs", "unsupported_value"),
         ("/v1/completions", {**OK, "prompt": ""}, "prompt", None),
         ("/v1/completions", {**OK, "prompt": [1, 10**9]}, "prompt", None),
         ("/v1/completions", {**OK, "prompt": ["a", "b"]}, "prompt", None),
@@ -63,6 +70,23 @@ def test_invalid_requests_are_400_naming_the_field(
     assert error["param"] == param
     assert error["code"] == code
     assert param.split(".")[0] in error["message"]
+
+
+def test_unsupported_options_at_their_neutral_values_are_accepted(live: Live) -> None:
+    neutral = {**OK, "n": 1, "logprobs": None, "echo": False, "best_of": 1}
+    answer = requests.post(live.url("/v1/completions"), json=neutral, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"]) == 1
+    chat = {**CHAT_OK, "n": 1, "logprobs": False, "top_logprobs": None}
+    answer = requests.post(live.url("/v1/chat/completions"), json=chat, timeout=60)
+    assert answer.status_code == 200, answer.text
+
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=live.url("/v1"), api_key="not-checked", max_retries=0, timeout=60)
+    with pytest.raises(BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=2)
+    assert raised.value.param == "n" and raised.value.code == "unsupported_value"
 
 
 def test_malformed_bodies_unknown_model_route_and_size(live: Live) -> None:
