@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from actors.config import EngineConfig
 from packing.admission import POLICIES, AdmissionConfig
+from pipeline.engine_flags import add_engine_flags, engine_config_from_args
 from pipeline.serve.config import API_KEYS_ENV, ServeConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model and engine flags."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default="smollm2", help="smollm2, a local HF folder or .gguf")
+    """Model, engine and parallelism flags (pipeline/engine_flags.py, shared with the offline
+    job), plus the name clients pass as `model`."""
+    group = add_engine_flags(parser)
     group.add_argument("--served-model-name", default=None, help="name clients pass as `model`")
-    group.add_argument("--max-model-len", type=int, default=None, help="context length cap")
-    group.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="running requests at most")
-    group.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache size")
 
 
 def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,13 +88,7 @@ def serve_config_from_args(
     args: argparse.Namespace, admission: AdmissionConfig | None = None
 ) -> ServeConfig:
     """The ServeConfig the flags describe; ValueError names a bad flag value."""
-    engine = EngineConfig(
-        model=args.model,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-    )
+    engine = engine_config_from_args(args)
     return ServeConfig(
         engine=engine,
         admission=admission or admission_from_args(args),
