@@ -169,6 +169,44 @@ def build_app(config: ServeConfig) -> Application:
     deployment = OpenAIDeployment.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.num_cpus},
+        **placement_options(config),
     )
     app: Application = deployment.bind(config)
     return app
+
+
+def placement_options(config: ServeConfig) -> dict[str, Any]:
+    """Serve options that reserve a tp x pp engine's workers with its replica.
+
+    The replica gets a placement group of one bundle per worker (stage-major, the replica's own
+    CPUs added to bundle 0, where Serve puts the replica) and its engine places worker i in
+    bundle i of that group (actors.parallel.executor), so each replica holds a whole engine, a
+    replica starts only where all of its workers fit, and the group goes with the replica.
+    A single-process engine needs none of this.
+    """
+    engine = config.engine
+    if engine.world_size == 1:
+        return {}
+    from actors.parallel import placement
+
+    return {
+        "placement_group_bundles": placement.worker_bundles(
+            engine.world_size,
+            engine.worker_num_cpus,
+            _uses_gpu(engine.device),
+            engine_share={"CPU": config.num_cpus},
+        ),
+        # tp alone is one collective group: all on one node, as the engine does for itself
+        "placement_group_strategy": (
+            "STRICT_PACK" if engine.pipeline_parallel_size == 1 else engine.placement_strategy
+        ),
+    }
+
+
+def _uses_gpu(device: str | None) -> bool:
+    """Whether the engine's workers take a GPU: its device, or (unset) whether Ray has one."""
+    if device is not None:
+        return device.startswith("cuda")
+    import ray
+
+    return ray.is_initialized() and bool(ray.cluster_resources().get("GPU"))
