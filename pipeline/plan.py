@@ -355,13 +355,18 @@ class PlanStage(Stage):
 
     def process(self, batch: pa.Table) -> pa.Table:
         setup_worker_logging()
-        shards, stats = plan_partition(batch, self.config, self.sampling, self.keep_columns)
-        if self.collector is not None and batch.num_rows:
+        if self.collector is None or batch.num_rows == 0:
+            shards, stats = plan_partition(batch, self.config, self.sampling, self.keep_columns)
+        else:
             import ray
 
-            # Keyed by the partition's shard ids so a retried task replaces, not adds.
-            key = _shard_id(shards.column(stage.SHARD).to_pylist())
-            ray.get(self.collector.record_plan.remote(key, stats))
+            # Named by its sorted ids, so a plan task Ray retries keeps its claims and
+            # replaces its stats record instead of adding a second one.
+            partition = _shard_id(sorted(set(batch.column(stage.ID).to_pylist())))
+            batch, dropped = self._drop_ids_claimed_elsewhere(batch, partition)
+            shards, stats = plan_partition(batch, self.config, self.sampling, self.keep_columns)
+            stats.duplicate_rows += dropped
+            ray.get(self.collector.record_plan.remote(partition, stats))
         logger.info(
             "planned %d rows into %d shards: %d prefix groups shared, %d tokens saved of %d",
             stats.rows,
@@ -371,3 +376,27 @@ class PlanStage(Stage):
             stats.prompt_tokens,
         )
         return shards
+
+    def _drop_ids_claimed_elsewhere(self, batch: pa.Table, partition: str) -> tuple[pa.Table, int]:
+        """The partition without rows whose id another partition claimed first (the
+        collector holds every id planned so far), and how many were dropped.
+
+        Duplicates inside one partition are left to `plan_partition` (the first wins). The
+        claim is keyed by `partition`, so a plan task Ray retries gets the same ids back
+        rather than losing them to its own earlier attempt.
+        """
+        import ray
+
+        ids = batch.column(stage.ID).to_pylist()
+        unique = list(dict.fromkeys(ids))
+        claims = ray.get(self.collector.claim_ids.remote(partition, unique))
+        owned = dict(zip(unique, claims, strict=True))
+        keep = [owned[i] for i in ids]
+        dropped = len(ids) - sum(keep)
+        if dropped:
+            logger.warning(
+                "%d rows have an id another partition already planned: generated once, there",
+                dropped,
+            )
+            batch = batch.filter(pa.array(keep, pa.bool_()))
+        return batch, dropped

@@ -26,13 +26,24 @@ REPORT_FILE = "_report.png"
 
 
 class StatsCollector:
-    """Sums the plan stats of all partitions (a Ray actor: `ray.remote(StatsCollector)`).
+    """Sums the plan stats of all partitions (a Ray actor: `ray.remote(StatsCollector)`), and
+    keeps one row per id across partitions (`claim_ids`).
 
-    Keyed by partition, so a plan task that Ray retries replaces its earlier record.
+    Keyed by partition, so a plan task that Ray retries replaces its earlier record and keeps
+    the ids it claimed before.
     """
 
     def __init__(self) -> None:
         self._plans: dict[str, PlanStats] = {}
+        # id -> the partition that claimed it first. Ids are the user's (or 40-character
+        # content hashes): about 100 bytes each, so ~1 GB per 10M rows in this actor.
+        self._owner: dict[str, str] = {}
+
+    def claim_ids(self, partition: str, ids: Sequence[str]) -> list[bool]:
+        """For each id, whether `partition` generates it: yes unless another partition
+        claimed it first. The plan drops the rest, so an id that appears in two partitions
+        (two read blocks, or two rows with one id but different prompts) is written once."""
+        return [self._owner.setdefault(i, partition) == partition for i in ids]
 
     def record_plan(self, key: str, stats: PlanStats) -> None:
         """Store one partition's plan stats."""

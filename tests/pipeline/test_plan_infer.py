@@ -282,3 +282,30 @@ def test_report_from_output_files(tmp_path):
     write_report(tmp_path, summary, dists)
     assert json.loads((tmp_path / "_summary.json").read_text())["rows"] == 4
     assert (tmp_path / "_report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_collector_gives_each_id_to_the_partition_that_claims_it_first():
+    collector = StatsCollector()
+    assert collector.claim_ids("p1", ["x", "a"]) == [True, True]
+    assert collector.claim_ids("p2", ["x", "b"]) == [False, True]
+    assert collector.claim_ids("p1", ["x", "a"]) == [True, True]  # a retry of p1 keeps them
+
+
+@pytest.mark.timeout(120)
+def test_an_id_in_two_partitions_is_planned_once_and_a_retry_keeps_its_rows(ray_cluster):
+    import ray
+
+    collector = ray.remote(num_cpus=0)(StatsCollector).remote()
+    plan = PlanStage(PlanConfig(), SamplingParams(), ["doc"], collector)
+    first = tokenized([("x", DOC_A + [1], None), ("a1", DOC_A + [2], None)])
+    second = tokenized([("x", DOC_B + [9], None), ("b1", DOC_B + [3], None)])
+
+    def ids(shards: pa.Table) -> list[str]:
+        return sorted(i for row in shards.column(stage.ID).to_pylist() for i in row)
+
+    assert ids(plan(first)) == ["a1", "x"]
+    assert ids(plan(second)) == ["b1"]  # its "x" has another prompt: dropped, not written twice
+    assert ids(plan(first)) == ["a1", "x"]  # Ray retries the first partition: still its rows
+    total = ray.get(collector.plan_total.remote())
+    assert (total.rows, total.duplicate_rows) == (3, 1)
+    ray.kill(collector)
