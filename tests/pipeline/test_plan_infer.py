@@ -309,3 +309,15 @@ def test_an_id_in_two_partitions_is_planned_once_and_a_retry_keeps_its_rows(ray_
     total = ray.get(collector.plan_total.remote())
     assert (total.rows, total.duplicate_rows) == (3, 1)
     ray.kill(collector)
+
+
+def test_token_arrays_are_the_rows_tokens_for_chunked_sliced_and_null_rows():
+    from pipeline.plan import token_arrays
+
+    lists = [[1, 2, 3], None, [], [4, 5], [6]]
+    column = pa.chunked_array(
+        [pa.array(lists[:2], stage.TOKEN_LIST), pa.array(lists[2:], stage.TOKEN_LIST).slice(1)]
+    )
+    got = [a.tolist() for a in token_arrays(column)]
+    assert got == [[1, 2, 3], [], [4, 5], [6]]
+    assert [a.tolist() for a in token_arrays(column.combine_chunks().slice(2))] == [[4, 5], [6]]
