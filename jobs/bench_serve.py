@@ -77,6 +77,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-output-tokens", type=int, default=16)
     p.add_argument("--drain-s", type=float, default=45.0, help="wait after the last arrival")
     p.add_argument("--max-requests", type=int, default=400, help="refuse larger replays")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=16,
+        help="untimed requests, 0.1 s apart, before the first replay (so the first policy "
+        "replayed does not pay for the replica's first steps)",
+    )
     add_admission_arguments(p)
     # aimd knobs for SmolLM2 on a 2-core CPU (TTFT of a lone request is a few hundred ms)
     p.set_defaults(
@@ -253,8 +260,9 @@ def run_live(
         )
         serve.run(build_app(config), name="bench", route_prefix="/")
         handle = serve.get_app_handle("bench")
-        warm = [replace(r, arrival_s=0.0) for r in requests[:3]]
-        asyncio.run(replay(base, "bench", warm, drain_s=120))
+        warm = [replace(r, arrival_s=0.1 * i) for i, r in enumerate(requests[: args.warmup])]
+        if warm:
+            asyncio.run(replay(base, "bench", warm, drain_s=120))
         for round_index in range(args.rounds):
             # alternate the order so a drift in background load does not favour one policy
             order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
