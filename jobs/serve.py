@@ -1,9 +1,12 @@
 """Serve the engine online: an OpenAI-compatible API on Ray Serve, with admission control.
 
     python jobs/serve.py --host 127.0.0.1 --port 8000 --model smollm2 --policy aimd
+    python jobs/serve.py --model /models/llama-8b --tensor-parallel-size 2   # tp x pp engine
 
 Starts a local Ray instance (or joins --address), serves until Ctrl-C. `--port 0` picks a free
-port and logs it. See README "Online serving" for curl and openai-client examples.
+port and logs it. With tp x pp > 1 the replica reserves its engine's workers in its own
+placement group (pipeline/serve/app.py). See README "Online serving" for curl and
+openai-client examples.
 """
 
 from __future__ import annotations
