@@ -94,6 +94,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=N",
         help="a custom resource per engine actor",
     )
+    c.add_argument(
+        "--memory-gb-per-actor",
+        type=float,
+        help="memory Ray reserves per engine actor (keeps engines off small nodes)",
+    )
+    c.add_argument(
+        "--engine-retries",
+        type=int,
+        default=1,
+        help="fresh tp/pp engines per shard after a worker dies mid-step (then the job fails)",
+    )
     c.add_argument("--torch-threads", type=int, help="torch threads per engine actor")
     c.add_argument("--num-tokenize-actors", type=int, default=1)
     c.add_argument("--num-cpus", type=int, help="CPUs of a local Ray started by this script")
@@ -138,6 +149,8 @@ def job_config(
             num_cpus_per_actor=args.num_cpus_per_actor,
             resources=tuple(_resource(r) for r in args.actor_resource),
             torch_threads=args.torch_threads,
+            memory_gb_per_actor=args.memory_gb_per_actor,
+            engine_retries=args.engine_retries,
             num_tokenize_actors=args.num_tokenize_actors,
         ),
         text_column=text_column,

@@ -165,7 +165,14 @@ class ComputeConfig:
     Engine actors take one GPU each when `num_gpus_per_actor` is None and the cluster has GPUs;
     on CPU they take `num_cpus_per_actor` (fractional by default: on a 2-core machine two
     whole-CPU actors leave nothing for the read tasks and Ray Data waits forever). `resources`
-    adds custom resources per engine actor (tests use {"fake_gpu": 1}).
+    adds custom resources per engine actor (tests use {"fake_gpu": 1}); `memory_gb_per_actor`
+    asks Ray for that much memory per engine actor, which keeps engines off small nodes.
+
+    A tensor/pipeline-parallel engine (EngineConfig tp x pp > 1) gets a placement group of
+    tp x pp bundles per engine actor, one per worker (a GPU each on a GPU cluster, else
+    `EngineConfig.worker_num_cpus` CPUs); the engine actor sits in bundle 0 with its own CPUs,
+    custom resources and memory. A shard whose worker dies mid-step is redone on a fresh
+    engine (new workers) up to `engine_retries` times; after that the job fails with the cause.
     """
 
     num_actors: int = 1
@@ -177,6 +184,9 @@ class ComputeConfig:
     tokenize_num_cpus: float = 0.25
     task_num_cpus: float = 0.25  # read, id and plan tasks
     max_restarts: int = 3  # per engine actor; its unfinished shard is retried as often
+    memory_gb_per_actor: float | None = None  # Ray `memory` per engine actor; None: no request
+    engine_retries: int = 1  # fresh engines per shard after a tp/pp worker failure
+    placement_timeout_s: float = 600.0  # wait for the tp x pp engines' placement groups
     rows_per_block: int = 1024  # read blocks are cut to this so the tokenizers share the work
 
     def __post_init__(self) -> None:
@@ -186,6 +196,10 @@ class ComputeConfig:
             raise ValueError(f"num_tokenize_actors must be >= 1, got {self.num_tokenize_actors}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not isinstance(self.engine_retries, int) or self.engine_retries < 0:
+            raise ValueError(f"engine_retries must be an integer >= 0, got {self.engine_retries!r}")
+        if self.memory_gb_per_actor is not None and self.memory_gb_per_actor <= 0:
+            raise ValueError(f"memory_gb_per_actor must be > 0, got {self.memory_gb_per_actor}")
         if self.rows_per_block < 1:
             raise ValueError(f"rows_per_block must be >= 1, got {self.rows_per_block}")
         object.__setattr__(self, "resources", tuple((str(k), float(v)) for k, v in self.resources))
@@ -209,3 +223,8 @@ class JobConfig:
             raise ValueError("output path is empty")
         if self.text_column in self.input.keep_columns:
             raise ValueError(f"keep_columns cannot hold the text column {self.text_column!r}")
+        if self.engine.world_size > 1 and self.compute.num_gpus_per_actor:
+            raise ValueError(
+                "with tensor/pipeline parallel engines each worker takes one GPU in the engine's "
+                "placement group; num_gpus_per_actor applies to single-process engines only"
+            )

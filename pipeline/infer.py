@@ -6,8 +6,11 @@ prompts, so each shared prefix is computed once. Rows that arrive with an error 
 
 If the actor process dies mid-shard, Ray restarts it (`max_restarts`) and runs the shard again
 (`max_task_retries`); nothing of a shard is written until the whole shard is done, so a redo
-cannot duplicate rows. An exception from the engine ends that shard's rows with `error` set
-rather than failing the job.
+cannot duplicate rows. A tensor/pipeline-parallel engine whose worker dies mid-step raises
+`WorkerFailedError` (and tears its workers down): the actor builds a fresh engine (new workers,
+in the same placement group) and redoes the shard, up to `engine_retries` times; past that the
+error fails the job, with the cause, rather than losing the shard. Any other exception from
+the engine ends that shard's rows with `error` set rather than failing the job.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pyarrow as pa
 
 from actors.config import EngineConfig, SamplingParams
 from actors.outputs import RequestOutput
+from actors.parallel.executor import WorkerFailedError
 from pipeline import stage
 from pipeline.logs import setup_worker_logging
 from pipeline.prompts import merge_sampling
@@ -43,28 +47,63 @@ class InferStage(Stage):
         text_column: str = "generated_text",
         keep_columns: Sequence[str] = (),
         torch_threads: int | None = None,
+        engine_retries: int = 1,
         engine=None,  # noqa: ANN001 (actors.LLMEngine or a stand-in)
     ):
         setup_worker_logging()
-        if engine is None:
+        if torch_threads:
             import torch
 
-            from actors import LLMEngine
-
-            if torch_threads:
-                torch.set_num_threads(torch_threads)
-            started = time.perf_counter()
-            engine = LLMEngine(engine_config)
-            logger.info(
-                "engine for %s loaded in %.1fs (%d torch threads)",
-                engine_config.model,
-                time.perf_counter() - started,
-                torch.get_num_threads(),
-            )
-        self.engine = engine
+            torch.set_num_threads(torch_threads)
+        self.engine_config = engine_config
+        self.engine = engine if engine is not None else self._new_engine()
+        self.engine_retries = engine_retries
         self.sampling = sampling
         self.text_column = text_column
         self.keep_columns = tuple(keep_columns)
+
+    def _new_engine(self):  # noqa: ANN202 (actors.LLMEngine)
+        import torch
+
+        from actors import LLMEngine
+
+        started = time.perf_counter()
+        engine = LLMEngine(self.engine_config)
+        logger.info(
+            "engine for %s loaded in %.1fs (%d torch threads)",
+            self.engine_config.model,
+            time.perf_counter() - started,
+            torch.get_num_threads(),
+        )
+        return engine
+
+    def _generate(self, shard_id: str, prompts: list, params: list, groups: list) -> list:
+        """`engine.generate`, redone on a fresh engine after a tp/pp worker failure."""
+        for attempt in range(self.engine_retries + 1):
+            try:
+                return self.engine.generate(prompts, params, groups)
+            except WorkerFailedError as exc:
+                if attempt == self.engine_retries:
+                    raise WorkerFailedError(
+                        f"shard {shard_id}: the parallel engine failed {attempt + 1} times "
+                        f"(engine_retries={self.engine_retries}); last: {exc}"
+                    ) from exc
+                logger.warning(
+                    "shard %s: %s; redoing it on a fresh engine (retry %d of %d)",
+                    shard_id,
+                    exc,
+                    attempt + 1,
+                    self.engine_retries,
+                )
+                self._close_engine()
+                self.engine = self._new_engine()
+        raise AssertionError("unreachable")
+
+    def _close_engine(self) -> None:
+        """Stop the engine's workers, if it has any (a failed one already has)."""
+        shutdown = getattr(getattr(self.engine, "runner", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def required_columns(self) -> tuple[str, ...]:
         return (
@@ -104,7 +143,9 @@ class InferStage(Stage):
                 for i in runnable
             ]
             try:
-                results = self.engine.generate(prompts, params, layout.prefix_groups)
+                results = self._generate(shard_id, prompts, params, layout.prefix_groups)
+            except WorkerFailedError:
+                raise  # retries spent: fail the job with the cause, lose no rows silently
             except Exception as exc:  # an engine bug must not lose the other shards' work
                 logger.exception("shard %s: the engine failed; its rows get an error", shard_id)
                 for i in runnable:

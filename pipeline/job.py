@@ -14,11 +14,13 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeline import stage
+from actors.parallel import placement
+from pipeline import engine_groups, stage
 from pipeline.config import OUTPUT_ID, JobConfig
+from pipeline.engine_groups import EngineGroups
 from pipeline.infer import InferStage
 from pipeline.plan import PlanStage
 from pipeline.prompts import SAMPLING_FIELDS, RowIdStage
@@ -115,6 +117,7 @@ def build_dataset(
     done_ids: frozenset[str] = frozenset(),
     collector=None,  # noqa: ANN001 (actor handle of StatsCollector)
     infer_cls: type[InferStage] = InferStage,
+    groups: EngineGroups | None = None,
 ):  # noqa: ANN201 (ray.data.Dataset)
     """The lazy pipeline from the input to the engine's output rows (not yet written)."""
     import ray.data
@@ -159,12 +162,14 @@ def build_dataset(
     )
     # One shard per block, so one actor task is one shard: an actor that dies redoes only it.
     ds = ds.repartition(target_num_rows_per_block=1)
-    actor_args = engine_actor_args(config)
+    actor_args = engine_actor_args(config, groups)
     with warnings.catch_warnings():
         # max_restarts / max_task_retries have no named parameter in map_batches (2.60), and
         # Ray Data's default is to retry forever: a shard that kills its actor every time
-        # would never end the job. Bounded retries are worth the deprecation warning.
+        # would never end the job. Bounded retries are worth the deprecation warning, and so
+        # is a placement group per engine actor (what ray.data.llm does the same way).
         warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        warnings.filterwarnings("ignore", message="`ray_remote_args_fn` is deprecated")
         return ds.map_batches(
             infer_cls,
             fn_constructor_kwargs=dict(
@@ -173,6 +178,7 @@ def build_dataset(
                 text_column=config.text_column,
                 keep_columns=keep,
                 torch_threads=compute.torch_threads or default_torch_threads(config, actor_args),
+                engine_retries=compute.engine_retries,
             ),
             batch_format="pyarrow",
             batch_size=1,
@@ -181,9 +187,12 @@ def build_dataset(
         )
 
 
-def engine_actor_args(config: JobConfig) -> dict:
+def engine_actor_args(config: JobConfig, groups: EngineGroups | None = None) -> dict:
     """Resources and restart policy of an engine actor: a GPU each when the cluster has GPUs
-    (or as configured), else a fraction of a CPU; plus any custom resources."""
+    (or as configured), else a fraction of a CPU; plus any custom resources and memory.
+
+    With `groups` (tp x pp engines) each actor is created in a placement group of its
+    own and takes no GPU itself: its workers hold them, one per bundle."""
     import ray
 
     compute = config.compute
@@ -198,6 +207,11 @@ def engine_actor_args(config: JobConfig) -> dict:
     )
     if compute.resources:
         args["resources"] = dict(compute.resources)
+    if compute.memory_gb_per_actor:
+        args["memory"] = int(compute.memory_gb_per_actor * 2**30)
+    if groups is not None:
+        args["num_gpus"] = 0
+        args["ray_remote_args_fn"] = groups
     return args
 
 
@@ -206,35 +220,35 @@ def default_torch_threads(config: JobConfig, actor_args: dict) -> int | None:
 
     Ray sets OMP_NUM_THREADS to an actor's whole CPUs, so a 0.5-CPU actor would run torch
     on one thread however many cores are idle; the CPU fraction is only for scheduling.
-    None (torch's default) for GPU actors.
+    None (torch's default) for GPU actors and for tp x pp engines (their workers compute).
     """
     import ray
 
-    if actor_args["num_gpus"]:
+    if actor_args["num_gpus"] or config.engine.world_size > 1:
         return None
     cpus = ray.cluster_resources().get("CPU", 1)
     return max(1, int(cpus // config.compute.num_actors))
 
 
-def check_cpu_room(config: JobConfig, cluster_cpus: float) -> None:
-    """ValueError when the actor pools would leave no whole CPU free.
+def check_room(config: JobConfig) -> EngineGroups | None:
+    """Fail fast (ValueError) where Ray would wait forever: engine groups the nodes can never
+    hold, or actors that leave no node a whole CPU. For tp x pp engines, reserve their
+    placement groups (TimeoutError when they are not placed in time) and return them."""
+    import ray
 
-    Ray Data lists input files in a task that asks for one whole CPU, and the actor pools take
-    their CPUs first: with none left whole the job waits forever without an error (on a
-    2-core machine, two engine actors of one CPU each do this). This checks the cluster's
-    total; on many small nodes keep one CPU free on some node (or give the head node more).
-    """
-    compute = config.compute
-    held = (
-        compute.num_actors * compute.num_cpus_per_actor
-        + compute.num_tokenize_actors * compute.tokenize_num_cpus
-    )
-    if cluster_cpus - held < 1:
-        raise ValueError(
-            f"the engine and tokenizer actors hold {held:g} of the cluster's {cluster_cpus:g} "
-            "CPUs; Ray Data needs one whole CPU free for its read tasks or the job hangs. "
-            "Lower --num-cpus-per-actor or --num-actors."
+    nodes = placement.node_resources()
+    gpu = engine_groups.workers_use_gpus(config, ray.cluster_resources())
+    if config.engine.world_size > 1:
+        engine_groups.check_groups_fit(config, gpu, nodes)
+        engine_groups.check_cpu_room(config, gpu, nodes)
+        return engine_groups.EngineGroups(
+            engine_groups.group_bundles(config, gpu),
+            engine_groups.group_strategy(config),
+            config.compute.num_actors,
+            config.compute.placement_timeout_s,
         )
+    engine_groups.check_cpu_room(config, gpu, nodes)
+    return None
 
 
 def run_job(
@@ -248,17 +262,24 @@ def run_job(
 
     started = time.perf_counter()
     prepared = prepared or prepare(config)
-    check_cpu_room(config, ray.cluster_resources().get("CPU", 0))
-    state = scan_output(config.output)
-    Path(config.output).mkdir(parents=True, exist_ok=True)
-    before = {str(p) for p in data_files(config.output)}
-    collector = ray.remote(num_cpus=0)(StatsCollector).remote()
+    config = _parallel_defaults(config)
+    groups = check_room(config)  # before anything is written
     try:
-        ds = build_dataset(config, prepared, state.done_ids, collector, infer_cls)
-        ds.write_parquet(config.output, ray_remote_args={"num_cpus": config.compute.task_num_cpus})
-        plan = ray.get(collector.plan_total.remote())
+        state = scan_output(config.output)
+        Path(config.output).mkdir(parents=True, exist_ok=True)
+        before = {str(p) for p in data_files(config.output)}
+        collector = ray.remote(num_cpus=0)(StatsCollector).remote()
+        try:
+            ds = build_dataset(config, prepared, state.done_ids, collector, infer_cls, groups)
+            ds.write_parquet(
+                config.output, ray_remote_args={"num_cpus": config.compute.task_num_cpus}
+            )
+            plan = ray.get(collector.plan_total.remote())
+        finally:
+            ray.kill(collector)
     finally:
-        ray.kill(collector)
+        if groups is not None:
+            groups.remove_all()
     written = [p for p in data_files(config.output) if str(p) not in before]
     summary, distributions = summarize(
         config.output, written, plan, time.perf_counter() - started, len(state.done_ids)
@@ -266,6 +287,19 @@ def run_job(
     write_report(config.output, summary, distributions)
     logger.info("summary: %s", summary.log_line())
     return summary
+
+
+def _parallel_defaults(config: JobConfig) -> JobConfig:
+    """A tp x pp engine's actor holds no GPU (its workers do), so the engine's GPU default
+    dtype (bfloat16) is set here, where the cluster is known."""
+    import ray
+
+    engine = config.engine
+    if engine.world_size == 1 or engine.dtype is not None:
+        return config
+    if not engine_groups.workers_use_gpus(config, ray.cluster_resources()):
+        return config
+    return replace(config, engine=replace(engine, dtype="bfloat16"))
 
 
 def _input_bytes(source: InputSource) -> int:
