@@ -1,8 +1,12 @@
-"""Run the offline job on a simulated two-node cluster (ray.cluster_utils.Cluster), each node
-with one fake GPU, so the two engine actors land on different nodes. Run as a script by
-test_cluster.py (a process can hold one Ray connection; the test's own Ray is another).
+"""Run the offline job on a simulated two-node cluster (ray.cluster_utils.Cluster). Run as a
+script by test_cluster.py (a process can hold one Ray connection; the test's own Ray is another).
 
-    python tests/pipeline/two_node_job.py TABLE MODEL_DIR OUTPUT
+    python tests/pipeline/two_node_job.py TABLE MODEL_DIR OUTPUT [dp|pp]
+
+dp: each node has one fake GPU, so the two engine actors land on different nodes.
+pp: one engine actor with a pipeline-parallel engine (pp=2, STRICT_SPREAD), its two stages on
+the two nodes; the same job on a single-process engine first, into OUTPUT/reference, to
+compare with. Prints a JSON line: node count, rows, and (pp) each stage's node.
 """
 
 from __future__ import annotations
@@ -11,12 +15,29 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2]))
 
 
-def main(table: str, model_dir: str, output: str) -> None:
+def node_recording_stage(record: Path):  # noqa: ANN201 (an InferStage subclass)
+    """An InferStage that writes its engine's stage workers' node ids to `record`."""
+    import ray
+
+    from pipeline.infer import InferStage
+
+    class RecordNodes(InferStage):
+        def run_shard(self, shard):
+            workers = self.engine.runner.workers
+            nodes = ray.get([stage[0].node_id.remote() for stage in workers])
+            record.write_text(json.dumps(nodes))
+            return super().run_shard(shard)
+
+    return RecordNodes
+
+
+def main(table: str, model_dir: str, output: str, mode: str = "dp") -> None:
     """Start the cluster, run the job, print the summary and the node count as JSON."""
     # Cluster ignores its temp-dir arguments (NOTES-ray): RAY_TMPDIR, with ray/ in it, works.
     temp_dir = tempfile.mkdtemp(prefix="rpc", dir="/tmp")
@@ -29,27 +50,41 @@ def main(table: str, model_dir: str, output: str) -> None:
     from ray.cluster_utils import Cluster
 
     from tests.pipeline.test_job import make_config
+    from tests.pipeline.test_parallel_job import parallel_config
 
     # The head keeps a whole CPU free: Ray Data's file-listing task takes one CPU.
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 2, "resources": {"fake_gpu": 1}, "include_dashboard": False},
     )
-    cluster.add_node(num_cpus=1, resources={"fake_gpu": 1})
+    cluster.add_node(num_cpus=1, resources={"fake_gpu": 1} if mode == "dp" else {})
     try:
         ray.init(address=cluster.address)
         from pipeline.job import run_job
 
-        config = make_config(
-            Path(table), Path(model_dir), Path(output), num_actors=2, max_rows_per_shard=6
-        )
-        summary = run_job(config)
-        nodes = sum(1 for n in ray.nodes() if n["Alive"])
-        print(json.dumps({"nodes": nodes, "rows": summary.rows}))
+        result: dict = {}
+        if mode == "dp":
+            config = make_config(
+                Path(table), Path(model_dir), Path(output), num_actors=2, max_rows_per_shard=6
+            )
+            summary = run_job(config)
+        else:
+            reference = Path(output) / "reference"
+            run_job(parallel_config(Path(table), Path(model_dir), reference))
+            config = parallel_config(Path(table), Path(model_dir), Path(output) / "pp", pp=2)
+            config = replace(
+                config, engine=replace(config.engine, placement_strategy="STRICT_SPREAD")
+            )
+            record = Path(output) / "stage_nodes.json"
+            summary = run_job(config, infer_cls=node_recording_stage(record))
+            result["stage_nodes"] = json.loads(record.read_text())
+        result["nodes"] = sum(1 for n in ray.nodes() if n["Alive"])
+        result["rows"] = summary.rows
+        print(json.dumps(result))
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
