@@ -11,6 +11,7 @@ measures how much they still do.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -20,16 +21,22 @@ from actors.config import EngineConfig
 from actors.engine import LLMEngine
 from actors.kv_cache import KVCacheManager
 from actors.outputs import FinishReason, RequestOutput
-from actors.parallel.executor import ParallelExecutor, StepHandle
+from actors.parallel.compiled import CompiledSteps
+from actors.parallel.executor import ParallelExecutor
 from actors.request import Request
 from actors.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class VirtualSchedulers:
     """`pp` schedulers, each over its own KV pool; routes a request to its set's scheduler.
 
     A prefix group (its prefix request and all members) stays in one set, so members find
-    the prefix's blocks; other requests go to the set with the fewest requests.
+    the prefix's blocks; other requests go to the set with the fewest tokens still owed (the
+    prompt plus `max_tokens` of its unfinished requests): with prompts of mixed lengths,
+    balancing request counts leaves one set with most of the work and the pipeline's tail
+    runs one step at a time.
     """
 
     def __init__(self, config: EngineConfig, blocks_per_set: int, count: int) -> None:
@@ -39,6 +46,8 @@ class VirtualSchedulers:
         ]
         self.schedulers = [Scheduler(config, kv) for kv in self.kvs]
         self._owner: dict[str, int] = {}  # request id (or group prefix id) -> set
+        self._owed = [0] * count  # tokens of each set's unfinished requests
+        self._weight: dict[str, int] = {}  # request id -> its tokens in _owed
 
     def owner(self, request: Request) -> int:
         """The set a queued request belongs to."""
@@ -52,18 +61,28 @@ class VirtualSchedulers:
         if group_key is not None and group_key in self._owner:
             index = self._owner[group_key]
         else:
-            index = min(range(len(self.schedulers)), key=lambda i: self._load(i))
+            index = min(range(len(self.schedulers)), key=self._owed.__getitem__)
         if group_key is not None:
             self._owner[group_key] = index
         self._owner[request.request_id] = index
+        weight = request.num_prompt_tokens + (0 if request.is_prefix else request.params.max_tokens)
+        self._weight[request.request_id] = weight
+        self._owed[index] += weight
         self.schedulers[index].add(request)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request that left its set (finished, failed or a group's ended prefix)."""
+        index = self._owner.pop(request_id, None)
+        if index is not None:
+            self._owed[index] -= self._weight.pop(request_id, 0)
 
     def finish(self, requests: Iterable[Request], reason: FinishReason) -> None:
         """End requests in their sets."""
         requests = list(requests)
         by_set: dict[int, list[Request]] = {}
         for req in requests:
-            index = self._owner.pop(req.request_id, None)
+            index = self._owner.get(req.request_id)
+            self.release(req.request_id)
             if index is not None:
                 by_set.setdefault(index, []).append(req)
         for index, reqs in by_set.items():
@@ -71,12 +90,8 @@ class VirtualSchedulers:
         for req in requests:  # a group's prefix ends inside its scheduler with its last member
             group = req.group  # (and a nested group's end may end the groups around it)
             while group is not None and group.num_unfinished_members == 0:
-                self._owner.pop(group.prefix.request_id, None)
+                self.release(group.prefix.request_id)
                 group = group.parent
-
-    def _load(self, index: int) -> int:
-        scheduler = self.schedulers[index]
-        return len(scheduler.waiting) + len(scheduler.running)
 
     # what the engine's summary log reads
     @property
@@ -101,13 +116,45 @@ class VirtualSchedulers:
 
 
 class PipelinedEngine(LLMEngine):
-    """`LLMEngine` with `pp` virtual engines in flight (chosen by `LLMEngine` when pp > 1)."""
+    """`LLMEngine` with `pp` virtual engines in flight (chosen by `LLMEngine` when pp > 1).
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+    Steps go through the executor's Ray tasks, or (GPU workers on the engine's node, or asked
+    for) through a Ray compiled graph over its workers (`actors.parallel.compiled`), which
+    then stands in as the engine's runner."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        compiled_graph: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """`compiled_graph`: True runs steps through a Ray compiled graph, False through one
+        Ray task per worker per step (the executor's classic path), None (the default): the
+        graph when every worker is a GPU on the engine's node. The graph's channel readers
+        poll (the driver burned 80% of a core waiting for a result, an idle worker 25%): a
+        host core per GPU affords that; on a CPU engine it takes the cores the stages
+        compute on, and on 2 cores it made steps slower (jobs/bench_parallel.py)."""
         super().__init__(config, **kwargs)
         assert isinstance(self.runner, ParallelExecutor)
-        self.executor: ParallelExecutor = self.runner
+        executor = self.runner
         pp = self.config.pipeline_parallel_size
+        self.executor: CompiledSteps | ParallelExecutor = executor
+        try:
+            where = _worker_places(executor)
+            if compiled_graph is None:
+                compiled_graph = where == {"this node cuda"}
+            if compiled_graph and any(w.startswith("other node") for w in where):
+                # Shared-memory channels are what we measured; across (simulated) nodes the
+                # graph's channel reads timed out in our two-node test: keep Ray tasks there.
+                logger.info("pp workers span several nodes: one Ray task per worker per step")
+                compiled_graph = False
+            if compiled_graph:
+                self.executor = CompiledSteps(executor, max_in_flight=pp)
+                self.runner = self.executor  # type: ignore[assignment]  # the executor's stand-in
+        except Exception:
+            executor.shutdown()
+            raise
         self.blocks_per_set = self.kv.num_blocks // pp
         if self.blocks_per_set < 1:
             raise ValueError(f"{self.kv.num_blocks} KV blocks cannot be split into {pp} sets")
@@ -115,7 +162,7 @@ class PipelinedEngine(LLMEngine):
         self.scheduler = self.sets  # type: ignore[assignment]  # add/finish route by set
         self.kv = self.sets.kvs[0]
         self.max_model_len = min(self.max_model_len, self.blocks_per_set * self.config.block_size)
-        self._in_flight: deque[tuple[int, SchedulerOutput, StepHandle]] = deque()
+        self._in_flight: deque[tuple[int, SchedulerOutput, Any]] = deque()  # step handles
         self._next_set = 0
 
     def step(self) -> list[RequestOutput]:
@@ -161,7 +208,7 @@ class PipelinedEngine(LLMEngine):
                 continue
             sched = scheduler.schedule()
             for req in scheduler.failed:
-                self.sets._owner.pop(req.request_id, None)
+                self.sets.release(req.request_id)
                 outputs.append(self._retire(req))
             scheduler.failed.clear()
             if not sched.scheduled:
@@ -174,6 +221,20 @@ class PipelinedEngine(LLMEngine):
     def has_unfinished(self) -> bool:
         """True while a request is queued, running or in flight."""
         return bool(self._in_flight) or super().has_unfinished()
+
+
+def _worker_places(executor: ParallelExecutor) -> set[str]:
+    """Where the workers are: "this node cuda", "other node cpu", ..."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    workers = executor.all_workers
+    nodes = ray.get([w.node_id.remote() for w in workers], timeout=60)
+    devices = ray.get([w.device_type.remote() for w in workers], timeout=60)
+    return {
+        f"{'this' if node == here else 'other'} node {device}"
+        for node, device in zip(nodes, devices, strict=True)
+    }
 
 
 def bubble_fraction(timings: list[list[tuple[int, float, float]]]) -> float:

@@ -40,6 +40,7 @@ class StageWorker:
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         self.busy: list[tuple[int, float, float]] = []  # (step, start, end), monotonic clock
+        self.busy_cpu: list[tuple[int, float]] = []  # (step, CPU seconds of the stepping thread)
         self._crash_at_step: int | None = None
         torch.set_num_threads(max(1, int(config.worker_num_cpus)))
 
@@ -89,6 +90,10 @@ class StageWorker:
 
         return str(ray.get_runtime_context().get_node_id())
 
+    def device_type(self) -> str:
+        """ "cuda" or "cpu"."""
+        return self.device.type
+
     def crash_at_step(self, step: int) -> None:
         """Fault injection for tests: exit the process in the middle of step `step`."""
         self._crash_at_step = step
@@ -96,6 +101,12 @@ class StageWorker:
     def take_timings(self) -> list[tuple[int, float, float]]:
         """(step, start, end) of the steps run since the last call."""
         out, self.busy = self.busy, []
+        return out
+
+    def take_cpu_times(self) -> list[tuple[int, float]]:
+        """(step, CPU seconds) of the steps run since the last call: against the busy span it
+        shows how long a step was descheduled on a shared machine."""
+        out, self.busy_cpu = self.busy_cpu, []
         return out
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -113,7 +124,7 @@ class StageWorker:
     def execute(self, plan: StepPlan, hidden: torch.Tensor | None) -> torch.Tensor | None:
         """Run this stage for one step: hidden states (or logits on the last stage) from tp
         rank 0, None from the others."""
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.thread_time()
         self.copy_blocks(list(plan.block_copies))
         meta = attention.build_metadata(
             self.kv_caches,
@@ -138,6 +149,7 @@ class StageWorker:
             meta,
         )
         self.busy.append((plan.step, start, time.monotonic()))
+        self.busy_cpu.append((plan.step, time.thread_time() - cpu))
         if self.tp_rank != 0:
             return None
         return out.cpu() if self.device.type != "cpu" else out

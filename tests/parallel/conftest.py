@@ -84,10 +84,10 @@ def engine_config(model_dir: Path, **overrides) -> EngineConfig:
     return EngineConfig(**settings)
 
 
-def run_engine(config: EngineConfig, prompts, groups) -> list[tuple[int, ...]]:
+def run_engine(config: EngineConfig, prompts, groups, **engine_kwargs) -> list[tuple[int, ...]]:
     """Greedy tokens of every prompt (with the prefix groups) from a fresh engine."""
     with torch_threads(1):
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, **engine_kwargs)
         try:
             outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), groups)
         finally:

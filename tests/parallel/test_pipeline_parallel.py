@@ -1,8 +1,10 @@
-"""Pipeline parallel (pp=2) and tp=2 x pp=2 give the single-process engine's greedy tokens."""
+"""Pipeline parallel (pp=2) and tp=2 x pp=2 give the single-process engine's greedy tokens,
+through one Ray task per worker per step (the CPU default) and through a Ray compiled graph."""
 
 from __future__ import annotations
 
 import pytest
+import ray
 
 from tests.parallel.conftest import assert_same_tokens, engine_config, run_engine
 
@@ -15,27 +17,34 @@ def expected(llama_dir, prompts_and_groups):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)], ids=["pp2", "tp2xpp2"])
+@pytest.mark.parametrize(
+    "tp,pp,compiled",
+    [(1, 2, None), (2, 2, None), (1, 2, True), (2, 2, True)],
+    ids=["pp2", "tp2xpp2", "pp2-compiled", "tp2xpp2-compiled"],
+)
 def test_pipeline_matches_single_process(
-    ray_local, llama_dir, prompts_and_groups, expected, tp, pp
+    ray_local, llama_dir, prompts_and_groups, expected, tp, pp, compiled
 ) -> None:
     prompts, groups = prompts_and_groups
     config = engine_config(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    got = run_engine(config, prompts, groups)
+    got = run_engine(config, prompts, groups, compiled_graph=compiled)
     assert_same_tokens(llama_dir, prompts, got, expected)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_pipelined_engine_keeps_two_steps_in_flight(ray_local, llama_dir, prompts_and_groups):
-    """pp=2 builds a PipelinedEngine whose two request sets have steps in flight together."""
+    """pp=2 builds a PipelinedEngine whose two request sets have steps in flight together,
+    through a compiled graph that stands in as the engine's runner."""
     from actors import LLMEngine, SamplingParams
+    from actors.parallel.compiled import CompiledSteps
     from actors.parallel.pipelined import PipelinedEngine, bubble_fraction
 
     prompts, groups = prompts_and_groups
-    engine = LLMEngine(engine_config(llama_dir, pipeline_parallel_size=2))
+    engine = LLMEngine(engine_config(llama_dir, pipeline_parallel_size=2), compiled_graph=True)
     try:
         assert isinstance(engine, PipelinedEngine)
+        assert isinstance(engine.executor, CompiledSteps) and engine.runner is engine.executor
         depths = []
         fill = engine._fill
 
@@ -48,8 +57,46 @@ def test_pipelined_engine_keeps_two_steps_in_flight(ray_local, llama_dir, prompt
         assert all(o.finished and o.error is None for o in outputs)
         assert max(depths) == 2
         assert not engine.sets._owner  # every request (and group) released its set
+        assert engine.sets._owed == [0, 0] and not engine.sets._weight
         timings = engine.executor.take_timings()
         assert len(timings) == 2 and all(timings)
+        assert [step for step, _, _ in timings[0]] == [step for step, _, _ in timings[1]]
         assert 0.0 <= bubble_fraction(timings) < 1.0
     finally:
         engine.executor.shutdown()
+    assert all(s["state"] == "REMOVED" for s in ray.util.placement_group_table().values())
+
+
+def test_bubble_fraction_counts_idle_stage_time() -> None:
+    """Two stages over a 10 s span, busy 10 s and 5 s: a quarter of their time is idle."""
+    from actors.parallel.pipelined import bubble_fraction
+
+    stage0 = [(1, 0.0, 5.0), (2, 5.0, 10.0)]
+    stage1 = [(1, 5.0, 7.0), (2, 7.0, 10.0)]
+    assert bubble_fraction([stage0, stage1]) == pytest.approx(0.25)
+    assert bubble_fraction([stage0, [(1, 0.0, 10.0)]]) == 0.0
+    assert bubble_fraction([[], []]) == 0.0
+
+
+def test_sets_balance_tokens_not_request_counts() -> None:
+    """One long prompt and ten short ones: the short ones all join the other set (by count
+    each set would get half, and the long one's set would run on alone at the end); every
+    request that finishes gives its tokens back."""
+    from actors import EngineConfig, SamplingParams
+    from actors.parallel.pipelined import VirtualSchedulers
+    from actors.request import Request
+
+    sets = VirtualSchedulers(EngineConfig(), blocks_per_set=64, count=2)
+    params = SamplingParams(max_tokens=1)
+    long = Request("long", list(range(100)), params)
+    short = [Request(f"s{i}", list(range(10)), params) for i in range(10)]
+    for req in [long, *short]:
+        sets.add(req)
+    assert sets.owner(long) == 0 and {sets.owner(r) for r in short} == {1}
+    assert sets._owed == [101, 110]
+    sets.finish([long, *short[:4]], "abort")
+    assert sets._owed == [0, 66]
+    sets.add(Request("next", list(range(10)), params))  # now the emptier set
+    assert sets.owner(sets.schedulers[0].waiting[0]) == 0
+    sets.finish(short[4:] + [sets.schedulers[0].waiting[0]], "abort")
+    assert sets._owed == [0, 0] and not sets._owner and not sets._weight
