@@ -105,6 +105,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="fresh tp/pp engines per shard after a worker dies mid-step (then the job fails)",
     )
+    c.add_argument(
+        "--placement-timeout-s",
+        type=float,
+        default=600.0,
+        help="how long to wait for the tp x pp engines' placement groups",
+    )
+    c.add_argument(
+        "--wait-for-nodes",
+        action="store_true",
+        help="an autoscaling cluster: wait for nodes instead of failing when the nodes up now "
+        "cannot hold the engine actors",
+    )
     c.add_argument("--torch-threads", type=int, help="torch threads per engine actor")
     c.add_argument("--num-tokenize-actors", type=int, default=1)
     c.add_argument("--num-cpus", type=int, help="CPUs of a local Ray started by this script")
@@ -151,6 +163,8 @@ def job_config(
             torch_threads=args.torch_threads,
             memory_gb_per_actor=args.memory_gb_per_actor,
             engine_retries=args.engine_retries,
+            placement_timeout_s=args.placement_timeout_s,
+            wait_for_nodes=args.wait_for_nodes,
             num_tokenize_actors=args.num_tokenize_actors,
         ),
         text_column=text_column,

@@ -187,6 +187,9 @@ class ComputeConfig:
     memory_gb_per_actor: float | None = None  # Ray `memory` per engine actor; None: no request
     engine_retries: int = 1  # fresh engines per shard after a tp/pp worker failure
     placement_timeout_s: float = 600.0  # wait for the tp x pp engines' placement groups
+    # An autoscaling cluster's nodes come when asked: skip the checks against the nodes up now
+    # (groups they can never hold, CPU room) and wait placement_timeout_s for the groups.
+    wait_for_nodes: bool = False
     rows_per_block: int = 1024  # read blocks are cut to this so the tokenizers share the work
 
     def __post_init__(self) -> None:
@@ -196,6 +199,8 @@ class ComputeConfig:
             raise ValueError(f"num_tokenize_actors must be >= 1, got {self.num_tokenize_actors}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.placement_timeout_s <= 0:
+            raise ValueError(f"placement_timeout_s must be > 0, got {self.placement_timeout_s}")
         if not isinstance(self.engine_retries, int) or self.engine_retries < 0:
             raise ValueError(f"engine_retries must be an integer >= 0, got {self.engine_retries!r}")
         if self.memory_gb_per_actor is not None and self.memory_gb_per_actor <= 0:

@@ -67,7 +67,12 @@ class EngineGroups:
     """
 
     def __init__(
-        self, bundles: list[placement.Bundle], strategy: str, num_groups: int, timeout_s: float
+        self,
+        bundles: list[placement.Bundle],
+        strategy: str,
+        num_groups: int,
+        timeout_s: float,
+        check_nodes: bool = True,
     ) -> None:
         self.bundles = bundles
         self.strategy = strategy
@@ -77,7 +82,9 @@ class EngineGroups:
         try:
             for i in range(num_groups):
                 self.groups.append(
-                    placement.reserve(bundles, strategy, timeout_s, name=f"{prefix}-{i}")
+                    placement.reserve(
+                        bundles, strategy, timeout_s, name=f"{prefix}-{i}", check_nodes=check_nodes
+                    )
                 )
         except BaseException:
             self.remove_all()

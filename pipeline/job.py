@@ -232,22 +232,27 @@ def default_torch_threads(config: JobConfig, actor_args: dict) -> int | None:
 
 def check_room(config: JobConfig) -> EngineGroups | None:
     """Fail fast (ValueError) where Ray would wait forever: engine groups the nodes can never
-    hold, or actors that leave no node a whole CPU. For tp x pp engines, reserve their
-    placement groups (TimeoutError when they are not placed in time) and return them."""
+    hold, or actors that leave no node a whole CPU (unless `wait_for_nodes`: an autoscaler
+    adds nodes). For tp x pp engines, reserve their placement groups (TimeoutError when they
+    are not placed in time) and return them."""
     import ray
 
     nodes = placement.node_resources()
     gpu = engine_groups.workers_use_gpus(config, ray.cluster_resources())
+    check = not config.compute.wait_for_nodes  # nodes up now are all there will be
     if config.engine.world_size > 1:
-        engine_groups.check_groups_fit(config, gpu, nodes)
-        engine_groups.check_cpu_room(config, gpu, nodes)
+        if check:
+            engine_groups.check_groups_fit(config, gpu, nodes)
+            engine_groups.check_cpu_room(config, gpu, nodes)
         return engine_groups.EngineGroups(
             engine_groups.group_bundles(config, gpu),
             engine_groups.group_strategy(config),
             config.compute.num_actors,
             config.compute.placement_timeout_s,
+            check_nodes=check,
         )
-    engine_groups.check_cpu_room(config, gpu, nodes)
+    if check:
+        engine_groups.check_cpu_room(config, gpu, nodes)
     return None
 
 

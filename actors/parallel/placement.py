@@ -26,15 +26,20 @@ Bundle = dict[str, float]
 
 
 def reserve(
-    bundles: list[Bundle], strategy: str, timeout_s: float, name: str = ""
+    bundles: list[Bundle],
+    strategy: str,
+    timeout_s: float,
+    name: str = "",
+    check_nodes: bool = True,
 ) -> PlacementGroup:
     """A ready placement group of `bundles` placed with `strategy`.
 
-    Raises `ValueError` when the bundles can never fit the cluster's nodes, and
-    `TimeoutError` (after removing the group) when they fit but are not placed in time.
+    Raises `ValueError` when the bundles can never fit the cluster's nodes (unless not
+    `check_nodes`: an autoscaler may add nodes), and `TimeoutError` (after removing the group)
+    when they are not placed in time.
     """
     nodes = node_resources()
-    problem = infeasible(bundles, strategy, nodes)
+    problem = infeasible(bundles, strategy, nodes) if check_nodes else None
     if problem is not None:
         raise ValueError(
             f"placement group {name!r} of {len(bundles)} bundles {bundles} ({strategy}) can "

@@ -110,6 +110,25 @@ def test_groups_the_cluster_cannot_hold_fail_fast(
         run_job(config)
 
 
+def test_wait_for_nodes_waits_then_times_out_naming_what_is_free(
+    ray_cluster, prompt_table, tiny_model_dir, tmp_path
+) -> None:
+    """On an autoscaling cluster the nodes up now are not all there will be: no fail-fast
+    check, the groups are waited for, and a timeout says what the cluster has free."""
+    config = parallel_config(
+        prompt_table,
+        tiny_model_dir,
+        tmp_path / "out",
+        tp=2,
+        num_actors=3,
+        wait_for_nodes=True,
+        placement_timeout_s=3.0,
+    )
+    with pytest.raises(TimeoutError, match=r"not placed within 3 s.*free"):
+        run_job(config)
+    assert no_group_left()  # the groups already placed are released too
+
+
 @pytest.mark.timeout(30)
 def test_cpu_room_is_checked_per_node(prompt_table, tiny_model_dir, tmp_path) -> None:
     """Four 0.6-CPU actors on four 1-CPU nodes leave 1.35 CPUs in all but no whole one."""
