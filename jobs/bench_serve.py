@@ -78,6 +78,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-s", type=float, default=45.0, help="wait after the last arrival")
     p.add_argument("--max-requests", type=int, default=400, help="refuse larger replays")
     p.add_argument(
+        "--burn-in",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one untimed replay of the whole trace before the timed rounds (the first replay "
+        "after start-up measured several times slower than later ones, whatever the policy)",
+    )
+    p.add_argument(
         "--warmup",
         type=int,
         default=16,
@@ -263,6 +270,11 @@ def run_live(
         warm = [replace(r, arrival_s=0.1 * i) for i, r in enumerate(requests[: args.warmup])]
         if warm:
             asyncio.run(replay(base, "bench", warm, drain_s=120))
+        if args.burn_in:
+            first = next(iter(configs.values()))
+            handle.reconfigure.remote({"admission": asdict(first)}).result()
+            asyncio.run(replay(base, "bench", requests, drain_s=args.drain_s))
+            wait_idle(base)
         for round_index in range(args.rounds):
             # alternate the order so a drift in background load does not favour one policy
             order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
