@@ -6,16 +6,23 @@ identical leading block can be shared instead of recomputed (vLLM's prefix cachi
 whose last reference is dropped goes to the free queue but keeps its hash, so it can still be
 found and revived until the pool needs it for something else (least recently freed first).
 
+Block hashes are chained (`hash_block`): a full block's hash covers its parent's hash and its
+own tokens, so a request hashes each block once, when it fills, in O(block_size), instead of
+rehashing the whole chain as the sequence grows. The bytes hashed are those of
+`packing.keys.block_hashes`, so the planner and the cache agree on every block.
+
 `allocate_kv_tensors` makes the storage the attention function reads and writes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from actors.request import Request
@@ -42,10 +49,6 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
-        self._block_hashes_fn = _load_block_hashes() if enable_prefix_caching else None
-        if enable_prefix_caching and self._block_hashes_fn is None:
-            logger.warning("packing.keys.block_hashes is not available: prefix caching is off")
-            self.enable_prefix_caching = False
 
     @property
     def num_blocks(self) -> int:
@@ -67,12 +70,14 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_hashes(self, request: Request) -> list[int]:
-        """Chained hashes of the request's full blocks (extended as the sequence grows)."""
-        num_full = request.num_tokens // self.block_size
-        if self._block_hashes_fn is not None and len(request.block_hashes) < num_full:
-            tokens = request.token_ids[: num_full * self.block_size]
-            request.block_hashes = [int(h) for h in self._block_hashes_fn(tokens, self.block_size)]
-        return request.block_hashes
+        """Chained hashes of the request's full blocks, extended by the blocks that filled
+        since the last call (each block is hashed once, from its parent's hash)."""
+        hashes = request.block_hashes
+        size = self.block_size
+        for index in range(len(hashes), request.num_tokens // size):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, request.token_ids[index * size : (index + 1) * size]))
+        return hashes
 
     def find_cached_blocks(self, request: Request) -> list[int]:
         """Blocks holding the longest run of the request's leading full blocks already computed.
@@ -157,14 +162,14 @@ class KVCacheManager:
         return block_id
 
 
-def _load_block_hashes() -> Callable[[Sequence[int], int], Sequence[int]] | None:
-    # Imported lazily: packing.keys is written by another module owner and may lag behind.
-    try:
-        from packing.keys import block_hashes
-    except ImportError:
-        return None
-    fn: Callable[[Sequence[int], int], Sequence[int]] = block_hashes
-    return fn
+def hash_block(parent: int | None, tokens: Sequence[int]) -> int:
+    """The chained hash of one full block: 8-byte blake2b over the parent block's hash (8
+    zero bytes for a sequence's first block) and the block's tokens as little-endian int32,
+    read as a little-endian integer; the same bytes as `packing.keys.block_hashes`."""
+    previous = bytes(8) if parent is None else parent.to_bytes(8, "little")
+    data = np.asarray(tokens, dtype="<i4").tobytes()
+    digest = hashlib.blake2b(previous + data, digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def kv_bytes_per_block(

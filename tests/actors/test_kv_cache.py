@@ -1,0 +1,51 @@
+"""The KV cache manager's chained block hashes: incremental, and the planner's hashes."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors import SamplingParams, kv_cache
+from actors.kv_cache import KVCacheManager, hash_block
+from actors.request import Request
+from packing.keys import block_hashes
+
+
+def test_hashes_grow_one_block_at_a_time_and_match_packing_keys(monkeypatch) -> None:
+    size = 4
+    kv = KVCacheManager(num_blocks=8, block_size=size)
+    request = Request("r", [3, 1, 4, 1, 5, 9], SamplingParams())
+    calls: list[int | None] = []
+
+    def counting(parent: int | None, tokens) -> int:
+        calls.append(parent)
+        return hash_block(parent, tokens)
+
+    monkeypatch.setattr(kv_cache, "hash_block", counting)
+    for token in range(2, 60):  # a sequence growing by one token per step, hashed each step
+        assert kv.block_hashes(request) == block_hashes(request.token_ids, size)
+        request.append_token(token)
+    # Each full block was hashed once, from its parent's hash: linear, not quadratic. (The
+    # last check saw 63 tokens: 15 full blocks.)
+    assert len(calls) == (request.num_tokens - 1) // size == 15
+    assert calls[0] is None and calls[1:] == request.block_hashes[:14]
+
+
+def test_a_block_hash_depends_on_its_parent() -> None:
+    tokens = [7, 8, 9, 10]
+    assert hash_block(None, tokens) != hash_block(hash_block(None, [1, 2, 3, 4]), tokens)
+    assert hash_block(None, tokens) == block_hashes(tokens, 4)[0]
+    assert 0 <= hash_block(2**64 - 1, tokens) < 2**64
+
+
+@pytest.mark.parametrize("extra", [0, 1, 5])
+def test_equal_leading_blocks_are_found_after_growth(extra: int) -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = Request("a", list(range(10)), SamplingParams())
+    kv.block_hashes(first)  # hashed before it grows, as the scheduler does at admission
+    for token in range(100, 100 + extra):
+        first.append_token(token)
+    kv.allocate(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    kv.cache_full_blocks(first)
+    twin = Request("b", first.token_ids + [42], SamplingParams())
+    assert kv.find_cached_blocks(twin) == first.block_ids[: first.num_tokens // 4]
