@@ -14,15 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from actors import loader
+from actors import limits, loader
 from actors.config import EngineConfig, SamplingParams
 from actors.detokenizer import Detokenizer
-from actors.kv_cache import KVCacheManager, kv_bytes_per_block
-from actors.model_runner import ModelRunner, model_geometry
+from actors.kv_cache import KVCacheManager
+from actors.model_runner import ModelRunner
 from actors.outputs import FinishReason, RequestOutput, TokenLogprob
+from actors.prefix_plan import plan_groups, planned_order
 from actors.request import PrefixGroupState, Request, RequestStatus
 from actors.sampler import Sampler
-from actors.scheduler import Scheduler, SchedulerOutput
+from actors.scheduler import Scheduler
+from actors.stats import EngineStats, StepStats
 
 if TYPE_CHECKING:
     from actors.parallel.executor import ParallelExecutor
@@ -30,7 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LOG_EVERY_STEPS = 100
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -70,8 +71,8 @@ class LLMEngine:
             tokenizer = loader.load_tokenizer(config.model, config.trust_remote_code)
         self.tokenizer = tokenizer
         self.model = model
-        num_blocks = config.num_kv_blocks or _blocks_from_memory(model, config)
-        self.max_model_len = _max_model_len(model, config, num_blocks)
+        num_blocks = config.num_kv_blocks or limits.blocks_from_memory(model, config)
+        self.max_model_len = limits.max_model_len(model, config, num_blocks)
         self.vocab_size = model.config.get_text_config().vocab_size
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
@@ -82,12 +83,12 @@ class LLMEngine:
             self.runner = ParallelExecutor(config, num_blocks, dtype)
         else:
             self.runner = ModelRunner(model, config, num_blocks)
-        self.sampler = Sampler(_eos_ids(model, tokenizer), seed=config.seed)
+        self.sampler = Sampler(limits.eos_token_ids(model, tokenizer), seed=config.seed)
         self.detokenizer = Detokenizer(tokenizer)
         self._requests: dict[str, Request] = {}  # unfinished user requests
         self._pending: list[RequestOutput] = []  # finished outside a step (errors, aborts)
         self._next_id = 0
-        self._stats = _StepStats()
+        self._stats = StepStats()
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, budget %d tokens/step",
             num_blocks,
@@ -121,6 +122,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running (or has an output not yet returned)."""
         return bool(self._requests or self._pending)
+
+    @property
+    def stats(self) -> EngineStats:
+        """Steps run, tokens computed and preemptions since the engine was built (a copy)."""
+        return self._stats.snapshot(self.scheduler.num_preemptions)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -177,10 +183,15 @@ class LLMEngine:
                     f"prompts, {len(per_prompt)} params"
                 )
         token_ids = [self._tokenize(p) for p in prompts]
-        groups = _plan_groups(token_ids, prefix_groups or (), self)
+        groups = plan_groups(
+            token_ids,
+            prefix_groups or (),
+            runnable=lambda ids: self._check_prompt(ids) is None,
+            new_id=lambda: self._new_id("prefix"),
+        )
         ids: list[str | None] = [None] * len(prompts)
         queued: set[int] = set()
-        for index in _planned_order(len(prompts), prefix_groups or ()):
+        for index in planned_order(len(prompts), prefix_groups or ()):
             chain = []  # the prompt's groups not queued yet, innermost first
             group = groups.get(index)
             while group is not None and id(group) not in queued:
@@ -214,8 +225,7 @@ class LLMEngine:
         group: PrefixGroupState | None,
     ) -> Request:
         if request_id is None:
-            request_id = f"req-{self._next_id}"
-            self._next_id += 1
+            request_id = self._new_id("req")
         elif request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = Request(request_id, self._tokenize(prompt), params or SamplingParams(), group=group)
@@ -231,6 +241,10 @@ class LLMEngine:
         self._requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _new_id(self, kind: str) -> str:
+        self._next_id += 1
+        return f"{kind}-{self._next_id - 1}"
 
     def _check_prompt(self, ids: list[int]) -> str | None:
         if not ids:
@@ -293,167 +307,3 @@ class LLMEngine:
             logprobs=tuple(req.logprobs) if req.logprobs is not None else None,
             prompt_token_ids=tuple(req.prompt_token_ids),
         )
-
-
-class _StepStats:
-    """Counts for the periodic summary log line."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.tokens = 0
-        self.seconds = 0.0
-
-    def record(self, engine: LLMEngine, sched: SchedulerOutput, seconds: float) -> None:
-        self.steps += 1
-        self.tokens += sched.total_num_scheduled_tokens
-        self.seconds += seconds
-        if self.steps % LOG_EVERY_STEPS == 0:
-            s = engine.scheduler
-            logger.info(
-                "step %d: %.0f tokens/s over the last %d steps, running %d, waiting %d, "
-                "KV usage %.0f%%, preemptions %d",
-                self.steps,
-                self.tokens / max(self.seconds, 1e-9),
-                LOG_EVERY_STEPS,
-                len(s.running),
-                len(s.waiting),
-                100 * engine.kv.usage,
-                s.num_preemptions,
-            )
-            self.tokens, self.seconds = 0, 0.0
-
-
-def _blocks_from_memory(model: Any, config: EngineConfig) -> int:
-    num_layers, num_kv_heads, head_dim = model_geometry(model)
-    dtype = next(model.parameters()).dtype
-    per_block = kv_bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, dtype)
-    return max(1, int(config.kv_cache_memory_gb * 2**30 // per_block))
-
-
-def _max_model_len(model: Any, config: EngineConfig, num_blocks: int) -> int:
-    """The context: the model's (or config's), never beyond the KV pool or a sliding window
-    (this engine attends to the full context only)."""
-    text = model.config.get_text_config()
-    limit = config.max_model_len or getattr(text, "max_position_embeddings", None) or 2048
-    window = getattr(text, "sliding_window", None)
-    if window and getattr(text, "use_sliding_window", True) and window < limit:
-        logger.warning("max_model_len capped to the sliding window (%d tokens)", window)
-        limit = window
-    return min(limit, num_blocks * config.block_size)
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for value in (eos, getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value is not None:
-            ids.update(int(v) for v in value)
-    return ids
-
-
-def _planned_order(num_prompts: int, groups: Sequence[PrefixGroup]) -> list[int]:
-    """Input order, except that a group's members run together at its first member's place,
-    and inside it each nested group's members run together the same way (depth first)."""
-    chains: dict[int, list[int]] = {}  # prompt -> its groups, outermost first
-    for g, group in enumerate(groups):  # parents come first (checked by _plan_groups)
-        if len(group.members) >= 2:
-            for m in group.members:
-                chains.setdefault(m, []).append(g)
-    order: list[int] = []
-    visited: set[int] = set()
-
-    def visit(g: int, level: int) -> None:
-        visited.add(g)
-        for m in groups[g].members:
-            chain = chains[m]
-            if len(chain) == level + 1:
-                order.append(m)
-            elif chain[level + 1] not in visited:
-                visit(chain[level + 1], level + 1)
-
-    for index in range(num_prompts):
-        chain = chains.get(index)
-        if chain is None:
-            order.append(index)
-        elif chain[0] not in visited:
-            visit(chain[0], 0)
-    return order
-
-
-def _plan_groups(
-    token_ids: list[list[int]], groups: Sequence[PrefixGroup], engine: LLMEngine
-) -> dict[int, PrefixGroupState]:
-    """Validate prefix groups and create each one's internal prefix request; returns the
-    deepest group of every grouped prompt."""
-    deepest = _check_groups(token_ids, groups)
-    # A group shares only when >= 2 of its members can run (prompts that will end in an
-    # error row do not wait for a prefix); the others' rows fall to the nearest one above.
-    runnable = [
-        [m for m in group.members if engine._check_prompt(token_ids[m]) is None] for group in groups
-    ]
-    nearest: list[PrefixGroupState | None] = []  # per group: itself or the sharing one above
-    for g, group in enumerate(groups):
-        above = nearest[group.parent] if group.parent is not None else None
-        if len(runnable[g]) < 2 or group.prefix_len < 1:
-            nearest.append(above)
-            continue
-        prefix = token_ids[group.members[0]][: group.prefix_len]
-        prefix_req = Request(f"prefix-{engine._next_id}", prefix, SamplingParams(), is_prefix=True)
-        engine._next_id += 1
-        state = PrefixGroupState(prefix=prefix_req, num_unfinished_members=0, parent=above)
-        prefix_req.group = state
-        if above is not None:
-            above.num_unfinished_members += 1  # the nested prefix is a member of its parent
-        nearest.append(state)
-    of_prompt: dict[int, PrefixGroupState] = {}
-    for m, g in deepest.items():
-        shared = nearest[g]
-        if shared is not None and engine._check_prompt(token_ids[m]) is None:
-            of_prompt[m] = shared
-            shared.num_unfinished_members += 1
-    return of_prompt
-
-
-def _check_groups(token_ids: list[list[int]], groups: Sequence[PrefixGroup]) -> dict[int, int]:
-    """ValueError naming the group unless every group's members are prompt indices that
-    share its prefix and nested groups nest; returns each grouped prompt's deepest group."""
-    deepest: dict[int, int] = {}
-    for g, group in enumerate(groups):
-        members = tuple(group.members)
-        parent = group.parent
-        if parent is not None:
-            if not 0 <= parent < g:
-                raise ValueError(
-                    f"prefix group {g}: parent {parent} must be an earlier group (0..{g - 1})"
-                )
-            if group.prefix_len <= groups[parent].prefix_len:
-                raise ValueError(
-                    f"prefix group {g}: prefix_len {group.prefix_len} must exceed its parent "
-                    f"group {parent}'s {groups[parent].prefix_len}"
-                )
-            outside = sorted(set(members) - set(groups[parent].members))
-            if outside:
-                raise ValueError(
-                    f"prefix group {g}: members {outside} are not members of its parent "
-                    f"group {parent}"
-                )
-        for m in members:
-            if not 0 <= m < len(token_ids):
-                raise ValueError(f"prefix group {g}: member {m} is not a prompt index")
-            if deepest.get(m) != parent:
-                raise ValueError(
-                    f"prompt {m} is in more than one prefix group (groups {deepest[m]} and "
-                    f"{g}, not nested)"
-                )
-            deepest[m] = g
-        prefix = token_ids[members[0]][: group.prefix_len] if members else []
-        if len(prefix) < group.prefix_len or any(
-            token_ids[m][: group.prefix_len] != prefix for m in members
-        ):
-            raise ValueError(
-                f"prefix group {g}: members {members} do not all start with the same "
-                f"{group.prefix_len} tokens"
-            )
-    return deepest

@@ -82,9 +82,9 @@ class Runners:
 
     def _call(self, method: str, batch: list[list[int]]) -> list[int]:
         if method == "varlen":
-            steps_before = self.engine._stats.steps  # the engine's step counter (for the check)
+            steps_before = self.engine.stats.num_steps
             outs = self.engine.generate(batch, SamplingParams(max_tokens=1, ignore_eos=True))
-            assert self.engine._stats.steps == steps_before + 1, "varlen must be one step"
+            assert self.engine.stats.num_steps == steps_before + 1, "varlen must be one step"
             return [o.token_ids[0] for o in outs]
         if method == "padded":
             result = modes.padded_prefill(self.model, batch)

@@ -46,3 +46,15 @@ def test_two_engines_in_one_process_do_not_interfere(make_engine, tokenizer, ref
         expected = hf_greedy(reference_models[arch], prompt, 8)
         got = done[rid + str(id(engine))].token_ids
         assert_greedy_match(reference_models[arch], prompt, got, expected)
+
+
+def test_stats_count_steps_and_tokens_and_are_a_snapshot(make_engine) -> None:
+    engine = make_engine("llama", num_kv_blocks=64, max_num_batched_tokens=64)
+    before = engine.stats
+    assert (before.num_steps, before.num_scheduled_tokens, before.num_preemptions) == (0, 0, 0)
+    # Both prompts prefill in one step, then three decode steps of two tokens each.
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
+    after = engine.stats
+    assert after.num_steps == 4 and after.num_scheduled_tokens == 5 + 3 * 2
+    assert after.step_seconds > 0
+    assert before.num_steps == 0  # the earlier snapshot did not change
