@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HH = ROOT.parent / "shared" / "data" / "hh_rlhf_harmless_base_test.jsonl.gz"
+DATA_DIR = Path(os.environ.get("RAYPACK_DATA_DIR", ROOT.parent / "shared" / "data"))
+HH = DATA_DIR / "hh_rlhf_harmless_base_test.jsonl.gz"
 DOC_MODULES = [
     "json", "statistics", "configparser", "re", "sys", "wave", "turtle", "site", "shelve",
     "uuid", "hashlib", "socket", "csv", "argparse", "heapq", "itertools", "copy", "unittest",
