@@ -377,7 +377,7 @@ def _table(out: dict) -> str:
             lines.append(
                 f"  {mode:11}: {run['wall_s']:.1f}s ({run['cpu_s']:.0f} CPU s), "
                 f"{run['rows_per_s']:.2f} rows/s, {run['generated_tokens_per_s']:.1f} gen tok/s, "
-                f"{run['computed_prompt_tokens']} prompt tokens computed, "
+                f"{run['computed_prompt_tokens']:.0f} prompt tokens computed, "
                 f"saving {run['prefix_saving_ratio']:.1%}"
             )
         lines += [f"  {k} {v:.2f}x" for k, v in r.items() if k.startswith(("speedup", "cpu_ratio"))]
