@@ -228,6 +228,11 @@ def _document_fractions(result: dict, base: JobConfig, args) -> dict:  # noqa: A
         # shard with probability 1/actors.
         seen = docs * (1 - (1 - 1 / actors) ** spread)
         out[f"documents_per_actor_{mode}"] = round(seen, 2)
+        if pool:
+            # The share of an actor's documents its pool can hold at once.
+            out[f"pool_fraction_of_actor_documents_{mode}"] = round(
+                out["documents_per_pool"] / max(seen, 1e-9), 3
+            )
     return out
 
 
