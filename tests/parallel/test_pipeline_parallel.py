@@ -100,3 +100,28 @@ def test_sets_balance_tokens_not_request_counts() -> None:
     assert sets.owner(sets.schedulers[0].waiting[0]) == 0
     sets.finish(short[4:] + [sets.schedulers[0].waiting[0]], "abort")
     assert sets._owed == [0, 0] and not sets._owner and not sets._weight
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_compiled_graph_worker_killed_mid_step_fails_loudly(
+    ray_local, llama_dir, prompts_and_groups
+) -> None:
+    """Through the compiled graph too, a stage that dies mid-step is a WorkerFailedError that
+    names it and the step, the engine refuses further steps, and the group is released."""
+    import time
+
+    from actors import LLMEngine, SamplingParams
+    from actors.parallel.executor import WorkerFailedError
+
+    prompts, groups = prompts_and_groups
+    engine = LLMEngine(engine_config(llama_dir, pipeline_parallel_size=2), compiled_graph=True)
+    ray.get(engine.runner.workers[1][0].crash_at_step.remote(3))
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError, match="stage 1 tp rank 0 failed in step 3"):
+        engine.generate(prompts, SamplingParams(max_tokens=4), groups)
+    assert time.monotonic() - started < 90
+    with pytest.raises(WorkerFailedError, match="shut down"):
+        engine.step()
+        engine.step()
+    assert all(s["state"] == "REMOVED" for s in ray.util.placement_group_table().values())
