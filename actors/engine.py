@@ -54,17 +54,22 @@ class LLMEngine:
         self, config: EngineConfig | None = None, *, model: Any = None, tokenizer: Any = None
     ) -> None:
         self.config = config = config or EngineConfig()
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = _DTYPES[config.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
         if config.world_size > 1:  # workers load the weights; this is the skeleton only
+            from actors.parallel.placement import worker_device
             from actors.parallel.weights import check_shapes, meta_model
 
             if model is not None:
                 raise ValueError(
                     "tensor/pipeline parallel engines load config.model; pass no model"
                 )
-            model = meta_model(config, dtype)
+            model = meta_model(config, torch.float32)
             check_shapes(model, config.tensor_parallel_size, config.pipeline_parallel_size)
+            device = worker_device(config)  # the workers', not this actor's (it has no GPU)
+        else:
+            device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = _DTYPES[config.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+        if config.world_size > 1:
+            model = model.to(dtype)
         elif model is None:
             model = loader.load_model(config.model, dtype, device, config.trust_remote_code)
         if tokenizer is None:

@@ -71,9 +71,7 @@ class ParallelExecutor:
         self._closed = False
         if not ray.is_initialized():
             ray.init()
-        device = config.device or (
-            "cuda" if placement._ray().cluster_resources().get("GPU") else "cpu"
-        )
+        device = placement.worker_device(config)
         bundles = placement.worker_bundles(
             config.world_size, config.worker_num_cpus, device.startswith("cuda")
         )

@@ -15,10 +15,13 @@ found through `ray.util.get_current_placement_group()`).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+if TYPE_CHECKING:
+    from actors.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +145,17 @@ def infeasible(bundles: list[Bundle], strategy: str, nodes: list[dict[str, float
         if not _fits(total, cluster):
             return f"the bundles need {total} in all"
     return None
+
+
+def worker_device(config: EngineConfig) -> str:
+    """The workers' device: `config.device`, else CUDA when the cluster has GPUs. The engine
+    actor of a tp x pp engine holds no GPU itself (its workers do), so it must not look at its
+    own `torch.cuda.is_available()`."""
+    if config.device:
+        return config.device
+    if not ray.is_initialized():
+        ray.init()
+    return "cuda" if _ray().cluster_resources().get("GPU") else "cpu"
 
 
 def _ray() -> Any:

@@ -81,3 +81,11 @@ def test_unplaceable_groups_fail_fast_with_a_clear_message(ray_local, llama_dir)
 
         remove_placement_group(held)
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(120)
+def test_worker_device_comes_from_the_cluster_not_the_engine_actor(ray_local) -> None:
+    # The engine actor of a tp x pp engine holds no GPU; its workers' device is the
+    # cluster's (CPU here), or what the config names.
+    assert placement.worker_device(EngineConfig(tensor_parallel_size=2)) == "cpu"
+    assert placement.worker_device(EngineConfig(device="cuda:0")) == "cuda:0"
