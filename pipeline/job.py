@@ -153,7 +153,12 @@ def build_dataset(
     if config.plan.prefix_grouping:
         # Hash partitions by prefix key: rows that can share a prefix meet in one partition.
         # Ray's own groupby().map_groups() is this same repartition plus batch_size=None.
-        ds = ds.repartition(prepared.num_partitions, keys=[stage.SHUFFLE_KEY])
+        if prepared.num_partitions == 1:
+            # Every row meets in the one partition anyway: skip the keyed hash shuffle (its
+            # map and reduce operators cost seconds on small inputs; see bench_pipeline).
+            ds = ds.repartition(1)
+        else:
+            ds = ds.repartition(prepared.num_partitions, keys=[stage.SHUFFLE_KEY])
     ds = ds.map_batches(
         PlanStage(config.plan, config.sampling, keep, collector),
         batch_format="pyarrow",

@@ -55,7 +55,8 @@ def test_one_actor_every_id_once_equal_to_engine(
 ):
     from actors import LLMEngine
 
-    config = make_config(prompt_table, tiny_model_dir, tmp_path / "out")
+    # One partition: every row meets there without the keyed shuffle (the small-input path).
+    config = make_config(prompt_table, tiny_model_dir, tmp_path / "out", num_partitions=1)
     summary = run_job(config)
     out = read_output(tmp_path / "out")
     table = rows()
