@@ -178,10 +178,10 @@ def main() -> None:
         engine = engines[name]
 
         def run() -> None:
-            before, cpu = engine._stats.steps, time.process_time()
+            before, cpu = engine.stats.num_steps, time.process_time()
             outputs = engine.generate(prompts, params)
             record: dict[str, Any] = {
-                "steps": engine._stats.steps - before,
+                "steps": engine.stats.num_steps - before,
                 "driver_cpu_s": time.process_time() - cpu,
             }
             tokens[name] = [o.token_ids for o in outputs]
