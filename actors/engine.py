@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -148,21 +148,34 @@ class LLMEngine:
         started = time.perf_counter()
         sampling, logits = self.runner.execute(sched)
         self.scheduler.update_after_step(sched)
+        self._apply_samples(sampling, logits, self.scheduler.finish, outputs)
+        self._stats.record(self, sched, time.perf_counter() - started)
+        return outputs
+
+    def _apply_samples(
+        self,
+        sampling: list[Request],
+        logits: torch.Tensor,
+        finish: Callable[[list[Request], FinishReason], None],
+        outputs: list[RequestOutput],
+    ) -> None:
+        """Sample one token per request, append it, and retire the requests that stop
+        (`finish` frees them in their scheduler); an output per request that got a token."""
         sampled = self.sampler(logits, sampling)
         finished: dict[FinishReason, list[Request]] = {}
         for req, token_id, logprob in zip(
             sampling, sampled.token_ids, sampled.logprobs, strict=True
         ):
+            if req.finished:  # aborted while its step was in flight (pipelined engines)
+                continue
             reason = self._append(req, token_id, logprob)
             if reason is not None:
                 finished.setdefault(reason, []).append(req)
             else:
                 outputs.append(self._output(req))
         for reason, reqs in finished.items():
-            self.scheduler.finish(reqs, reason)
+            finish(reqs, reason)
             outputs.extend(self._retire(req) for req in reqs)
-        self._stats.record(self, sched, time.perf_counter() - started)
-        return outputs
 
     def generate(
         self,

@@ -17,7 +17,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from actors import attention, modes
@@ -25,7 +24,8 @@ from actors.config import EngineConfig
 from actors.kv_cache import allocate_kv_tensors
 from actors.request import Request
 from actors.scheduler import SchedulerOutput
-from packing.layout import flat_layout, slot_mapping
+from actors.step_layout import lay_out
+from packing.layout import slot_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -74,41 +74,27 @@ class ModelRunner:
         model.set_attn_implementation(attention.ATTN_NAME)
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
-        """Lay the step out as one flat sequence (decodes first)."""
-        decodes = [(r, n) for r, n in sched.scheduled if n == 1 and r.num_computed_tokens > 0]
-        others = [(r, n) for r, n in sched.scheduled if not (n == 1 and r.num_computed_tokens)]
-        items = decodes + others
-        num_cached = np.fromiter((r.num_computed_tokens for r, _ in items), np.int64, len(items))
-        num_new = np.fromiter((n for _, n in items), np.int64, len(items))
-        tables = [r.block_ids for r, _ in items]
-        layout = flat_layout(num_cached, num_new)
-        slots = slot_mapping(num_cached, num_new, tables, self.block_size)
-        ids: list[int] = []
-        sampling: list[Request] = []
-        rows: list[int] = []
-        for i, (req, n) in enumerate(items):
-            start = req.num_computed_tokens
-            ids.extend(req.token_ids[start : start + n])
-            if not req.is_prefix and start + n == req.num_tokens:
-                sampling.append(req)
-                rows.append(int(layout.cu_seqlens_q[i + 1]) - 1)
+        """Lay the step out as one flat sequence (decodes first; `actors.step_layout`)."""
+        step = lay_out(sched)
+        tables = [r.block_ids for r in step.requests]
+        slots = slot_mapping(step.num_cached, step.num_new, tables, self.block_size)
         meta = attention.build_metadata(
             self.kv_caches,
-            num_cached,
-            num_new,
+            step.num_cached,
+            step.num_new,
             tables,
             slots,
-            layout.cu_seqlens_q,
+            step.layout.cu_seqlens_q,
             self.block_size,
-            len(decodes),
+            step.num_decodes,
             self.device,
             use_varlen=self.use_varlen,
         )
         return ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device)[None],
-            position_ids=torch.from_numpy(layout.positions).to(self.device)[None],
-            logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device),
-            sampling=sampling,
+            input_ids=torch.tensor(step.input_ids, dtype=torch.long, device=self.device)[None],
+            position_ids=torch.from_numpy(step.layout.positions).to(self.device)[None],
+            logits_indices=torch.tensor(step.logits_rows, dtype=torch.long, device=self.device),
+            sampling=step.sampling,
             attn=meta,
         )
 

@@ -178,21 +178,7 @@ class PipelinedEngine(LLMEngine):
         sampling, logits = self.executor.collect(handle)
         scheduler = self.sets.schedulers[index]
         scheduler.update_after_step(sched)
-        sampled = self.sampler(logits, sampling)
-        finished: dict[FinishReason, list[Request]] = {}
-        for req, token_id, logprob in zip(
-            sampling, sampled.token_ids, sampled.logprobs, strict=True
-        ):
-            if req.finished:  # aborted while its step was in flight
-                continue
-            reason = self._append(req, token_id, logprob)
-            if reason is not None:
-                finished.setdefault(reason, []).append(req)
-            else:
-                outputs.append(self._output(req))
-        for reason, reqs in finished.items():
-            self.sets.finish(reqs, reason)
-            outputs.extend(self._retire(req) for req in reqs)
+        self._apply_samples(sampling, logits, self.sets.finish, outputs)
         self._stats.record(self, sched, time.perf_counter() - started)
         self._fill(outputs)  # the set just sampled can go again before we wait
         return outputs

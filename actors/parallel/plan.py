@@ -1,6 +1,6 @@
 """A scheduled step as plain arrays: what every worker needs to run it, and nothing more.
 
-`plan_step` lays the step out exactly as `actors.model_runner.ModelRunner.prepare` does (one
+`plan_step` lays the step out with `actors.step_layout.lay_out`, as `ModelRunner.prepare` does (one
 flat sequence, decodes first, positions continuing after cached tokens, logits only at rows
 that sample); the plan is put in Ray's object store once per step and read by all workers,
 each of which builds its own `AttentionMetadata` over its own KV tensors.
@@ -14,7 +14,8 @@ import numpy as np
 
 from actors.request import Request
 from actors.scheduler import SchedulerOutput
-from packing.layout import flat_layout, slot_mapping
+from actors.step_layout import lay_out
+from packing.layout import slot_mapping
 
 
 @dataclass(frozen=True)
@@ -45,33 +46,21 @@ def plan_step(
     """The step's plan and the requests that sample, in the order of their logits rows.
 
     `block_offset` is added to every block id (a virtual engine's slice of the KV tensors)."""
-    decodes = [(r, n) for r, n in sched.scheduled if n == 1 and r.num_computed_tokens > 0]
-    others = [(r, n) for r, n in sched.scheduled if not (n == 1 and r.num_computed_tokens)]
-    items = decodes + others
-    num_cached = np.fromiter((r.num_computed_tokens for r, _ in items), np.int64, len(items))
-    num_new = np.fromiter((n for _, n in items), np.int64, len(items))
-    tables = tuple(tuple(b + block_offset for b in r.block_ids) for r, _ in items)
-    layout = flat_layout(num_cached, num_new)
-    ids: list[int] = []
-    sampling: list[Request] = []
-    rows: list[int] = []
-    for i, (req, n) in enumerate(items):
-        start = req.num_computed_tokens
-        ids.extend(req.token_ids[start : start + n])
-        if not req.is_prefix and start + n == req.num_tokens:
-            sampling.append(req)
-            rows.append(int(layout.cu_seqlens_q[i + 1]) - 1)
+    laid = lay_out(sched)
+    tables = tuple(tuple(b + block_offset for b in r.block_ids) for r in laid.requests)
     plan = StepPlan(
         step=step,
-        input_ids=np.asarray(ids, dtype=np.int64),
-        positions=layout.positions,
-        num_cached=num_cached,
-        num_new=num_new,
+        input_ids=np.asarray(laid.input_ids, dtype=np.int64),
+        positions=laid.layout.positions,
+        num_cached=laid.num_cached,
+        num_new=laid.num_new,
         block_tables=tables,
-        slot_mapping=slot_mapping(num_cached, num_new, [list(t) for t in tables], block_size),
-        cu_seqlens_q=layout.cu_seqlens_q,
-        num_decodes=len(decodes),
-        logits_indices=np.asarray(rows, dtype=np.int64),
+        slot_mapping=slot_mapping(
+            laid.num_cached, laid.num_new, [list(t) for t in tables], block_size
+        ),
+        cu_seqlens_q=laid.layout.cu_seqlens_q,
+        num_decodes=laid.num_decodes,
+        logits_indices=np.asarray(laid.logits_rows, dtype=np.int64),
         block_copies=tuple((s + block_offset, d + block_offset) for s, d in sched.block_copies),
     )
-    return plan, sampling
+    return plan, laid.sampling
