@@ -79,7 +79,7 @@ class CompiledSteps:
     def submit(self, sched: SchedulerOutput, block_offset: int = 0) -> CompiledStep:
         """Write one step's plan into the graph without waiting."""
         if self.executor._closed:
-            raise WorkerFailedError("this parallel engine was shut down after a failure")
+            raise self.executor.closed_error()
         self.executor._step += 1  # one counter with the classic path (fault injection reads it)
         step = self.executor._step
         plan, sampling = plan_step(sched, self.executor.config.block_size, step, block_offset)
@@ -113,15 +113,18 @@ class CompiledSteps:
         return self._actors.get(str(actor_id), output)
 
     def _fail(self, message: str, cause: BaseException | None = None) -> None:
+        if self.executor.failure is not None:  # already failed: a dead peer is not the cause
+            raise self.executor.closed_error() from cause
+        executor = self.executor
+        executor.failure = (
+            f"tensor/pipeline parallel engine (tp={executor.tp}, pp={executor.pp}): {message}"
+        )
         logger.error("parallel engine failed: %s", message)
-        closed = self.executor._closed
-        self.executor.shutdown()  # kill first: a survivor may wait in a collective forever
+        closed = executor._closed
+        executor.shutdown()  # kill first: a survivor may wait in a collective forever
         if not closed:
             self._teardown()
-        raise WorkerFailedError(
-            f"tensor/pipeline parallel engine (tp={self.executor.tp}, pp={self.executor.pp}): "
-            f"{message}"
-        ) from cause
+        raise WorkerFailedError(executor.failure) from cause
 
     def shutdown(self) -> None:
         """Stop the graph's loops on the workers, then kill them and release the group."""

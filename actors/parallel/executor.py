@@ -69,6 +69,7 @@ class ParallelExecutor:
         self.step_timeout_s = step_timeout_s
         self._step = 0
         self._closed = False
+        self.failure: str | None = None  # the first failure's message, once one happened
         if not ray.is_initialized():
             ray.init()
         device = placement.worker_device(config)
@@ -137,7 +138,7 @@ class ParallelExecutor:
         """Send one step to the workers without waiting (block ids shifted by
         `block_offset`: a virtual engine's slice of the KV pool)."""
         if self._closed:
-            raise WorkerFailedError("this parallel engine was shut down after a failure")
+            raise self.closed_error()
         self._step += 1
         plan, sampling = plan_step(sched, self.config.block_size, self._step, block_offset)
         plan_ref = ray.put(plan)  # broadcast once: every worker reads the same object
@@ -182,12 +183,19 @@ class ParallelExecutor:
         """Per stage, tp rank 0's (step, start, end) since the last call."""
         return ray.get([stage[0].take_timings.remote() for stage in self.workers])
 
+    def closed_error(self) -> WorkerFailedError:
+        """The error for a step asked of a shut-down engine: it names the first failure (a
+        caller's queued work reaches the engine after it failed, and should say why)."""
+        why = f": {self.failure}" if self.failure else ""
+        return WorkerFailedError(f"this parallel engine was shut down after a failure{why}")
+
     def _fail(self, message: str, cause: BaseException | None = None) -> None:
+        if self.failure is not None:  # already failed: a dead peer is not the cause
+            raise self.closed_error() from cause
+        self.failure = f"tensor/pipeline parallel engine (tp={self.tp}, pp={self.pp}): {message}"
         logger.error("parallel engine failed: %s", message)
         self.shutdown()  # survivors may be blocked in a collective with a dead peer
-        raise WorkerFailedError(
-            f"tensor/pipeline parallel engine (tp={self.tp}, pp={self.pp}): {message}"
-        ) from cause
+        raise WorkerFailedError(self.failure) from cause
 
     def shutdown(self) -> None:
         """Kill the workers and release the placement group if this engine reserved it (a
