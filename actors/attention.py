@@ -7,10 +7,13 @@ attention function). Nothing is stored in module or class state, so several engi
 in one process.
 
 Per layer the function writes the step's new K/V into the paged cache, then attends:
-- CPU: decodes in chunks of `DECODE_CHUNK`, grouped by context length so a chunk pads little;
-  each chunk's K/V gathered by block table into one reused buffer and attended by one SDPA
-  call with a key mask; then one SDPA call per prefill segment: `is_causal` on the fresh K/V
-  when nothing is cached, else the cached + new K/V with a bottom-right causal mask.
+- CPU, float32: all decodes in one call of the compiled paged decode kernel
+  (`actors.kernels`), which reads K/V straight from the blocks;
+- CPU otherwise (or with no C compiler): decodes in chunks of `DECODE_CHUNK`, grouped by
+  context length so a chunk pads little; each chunk's K/V gathered by block table into one
+  reused buffer and attended by one SDPA call with a key mask;
+- then, on CPU, one SDPA call per prefill segment: `is_causal` on the fresh K/V when nothing
+  is cached, else the cached + new K/V with a bottom-right causal mask.
 - CUDA in bf16/fp16: one `varlen_attn` call over the whole flat sequence
   (`_varlen_attention`); in fp32 (flash has no fp32 kernel) the SDPA path above runs on CUDA.
 """
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from actors.kernels import PagedDecode
 from packing.layout import padded_block_tables, token_slots
 
 ATTN_NAME = "raypack_paged"
@@ -54,6 +58,16 @@ class DecodeChunk:
 
 
 @dataclass(frozen=True)
+class DecodeBatch:
+    """Every decode of the step (rows 0 .. n - 1 of the flat sequence) for the paged decode
+    kernel, which reads their keys from the blocks directly."""
+
+    kernel: PagedDecode
+    block_tables: torch.Tensor  # [n, max_blocks] int64, padded
+    seq_lens: torch.Tensor  # [n] int64: cached keys + the new one
+
+
+@dataclass(frozen=True)
 class VarlenInputs:
     """The whole step for a varlen kernel: cached + new keys of every request, end to end."""
 
@@ -76,6 +90,7 @@ class AttentionMetadata:
     # [2, max chunk blocks, block_size, kv_heads, dim]: the decodes' gathered K and V, reused
     # by every chunk and layer of the step instead of two fresh tensors per chunk and layer
     gather_buffer: torch.Tensor | None = None
+    decode_batch: DecodeBatch | None = None  # set when the paged decode kernel attends decodes
 
 
 def build_metadata(
@@ -89,10 +104,12 @@ def build_metadata(
     num_decodes: int,
     device: torch.device,
     use_varlen: bool = False,
+    decode_kernel: PagedDecode | None = None,
 ) -> AttentionMetadata:
     """Metadata for segments `(num_cached[i], num_new[i])`; the first `num_decodes` are
     decodes (one new token after cached ones). `use_varlen`: one flash varlen call (CUDA,
-    half precision) instead of the SDPA calls."""
+    half precision) instead of the SDPA calls. `decode_kernel` (float32 CPU caches): attend
+    the decodes with it instead of gathering their blocks for SDPA."""
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
@@ -116,12 +133,22 @@ def build_metadata(
         return AttentionMetadata(kv_caches, slots, (), (), varlen)
 
     decodes = []
+    decode_batch = None
+    if decode_kernel is not None and num_decodes:
+        decode_batch = DecodeBatch(
+            kernel=decode_kernel,
+            block_tables=tensor(padded_block_tables(block_tables[:num_decodes])),
+            seq_lens=tensor(num_cached[:num_decodes].astype(np.int64) + 1),
+        )
+        num_sdpa_decodes = 0
+    else:
+        num_sdpa_decodes = num_decodes
     # Chunks of a few requests: each chunk's gathered K/V stays in the CPU cache while SDPA
     # reads it, and pads only to its own longest request (measured ~1.5x faster than one
     # padded batch of 256 decodes). Sorting by context length first makes the chunks' lengths
     # alike (~15% less decode attention time on Alpaca prompts than in running order).
-    by_length = np.argsort(num_cached[:num_decodes], kind="stable")
-    for start in range(0, num_decodes, DECODE_CHUNK):
+    by_length = np.argsort(num_cached[:num_sdpa_decodes], kind="stable")
+    for start in range(0, num_sdpa_decodes, DECODE_CHUNK):
         rows = by_length[start : start + DECODE_CHUNK]
         tables = padded_block_tables([block_tables[i] for i in rows])  # [n, max_blocks]
         max_blocks = tables.shape[1]
@@ -154,7 +181,12 @@ def build_metadata(
         start = int(cu_seqlens_q[i])
         prefills.append(PrefillSegment(start, start + new, key_slots_i, mask))
     return AttentionMetadata(
-        kv_caches, slots, tuple(decodes), tuple(prefills), gather_buffer=gather_buffer
+        kv_caches,
+        slots,
+        tuple(decodes),
+        tuple(prefills),
+        gather_buffer=gather_buffer,
+        decode_batch=decode_batch,
     )
 
 
@@ -190,6 +222,18 @@ def paged_attention(
 
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [tokens, heads, dim]
     by_token = query[0].transpose(0, 1)  # [tokens, heads, dim]
+    if meta.decode_batch is not None:
+        batch = meta.decode_batch
+        n = len(batch.seq_lens)
+        batch.kernel(
+            by_token[:n].contiguous(),
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            head_dim**-0.5 if scaling is None else scaling,
+            out[:n],
+        )
     for dec in meta.decodes:
         assert meta.gather_buffer is not None
         n, seq, num = len(dec.rows), dec.max_blocks * block_size, len(dec.block_ids)

@@ -32,6 +32,9 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0
     enable_prefix_caching: bool = True  # share identical leading full blocks by block hash
     mode: ExecutionMode = "varlen"  # "prepack" and "padded" exist for benchmarks
+    # float32 on CPU: attend decodes with the compiled paged kernel (`actors.kernels`); False,
+    # or no C compiler: gather their blocks for SDPA (slower, the same tokens)
+    cpu_decode_kernel: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     tensor_parallel_size: int = 1  # workers per pipeline stage, each with 1/tp of heads and MLP

@@ -21,6 +21,7 @@ import torch
 
 from actors import attention, modes
 from actors.config import EngineConfig
+from actors.kernels import paged_decode_kernel
 from actors.kv_cache import allocate_kv_tensors
 from actors.request import Request
 from actors.scheduler import SchedulerOutput
@@ -70,6 +71,9 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        self.decode_kernel = (
+            paged_decode_kernel(self.device, self.dtype) if config.cpu_decode_kernel else None
+        )
         attention.register()
         model.set_attn_implementation(attention.ATTN_NAME)
 
@@ -89,6 +93,7 @@ class ModelRunner:
             step.num_decodes,
             self.device,
             use_varlen=self.use_varlen,
+            decode_kernel=self.decode_kernel,
         )
         return ModelInput(
             input_ids=torch.tensor(step.input_ids, dtype=torch.long, device=self.device)[None],

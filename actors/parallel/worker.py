@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from actors import attention
 from actors.config import EngineConfig
+from actors.kernels import paged_decode_kernel
 from actors.kv_cache import allocate_kv_tensors
 from actors.parallel.plan import StepPlan
 from actors.parallel.weights import build_stage
@@ -82,6 +83,11 @@ class StageWorker:
         # attention.paged_attention indexes by the global layer_idx: other layers get nothing.
         empty = torch.empty(0, device=self.device)
         self.kv_caches = [(empty, empty)] * start + owned
+        self.decode_kernel = (
+            paged_decode_kernel(self.device, getattr(torch, dtype))
+            if self.config.cpu_decode_kernel
+            else None
+        )
         return start, stop
 
     def node_id(self) -> str:
@@ -137,6 +143,7 @@ class StageWorker:
             plan.num_decodes,
             self.device,
             use_varlen=self.device.type == "cuda" and self.kv_caches[-1][0].dtype != torch.float32,
+            decode_kernel=self.decode_kernel,
         )
         if self._crash_at_step == plan.step:
             logger.error("fault injection: worker exits in step %d", plan.step)

@@ -63,6 +63,18 @@ def test_greedy_matches_hf_generate(
                 assert outputs[m].num_cached_tokens >= group.prefix_len
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sdpa_decode_fallback_matches_hf_generate(
+    make_engine, reference_models, prompt_ids, expected, arch
+) -> None:
+    """Without the compiled decode kernel (no compiler, or turned off) decodes gather their
+    blocks for SDPA: the same tokens."""
+    engine = make_engine(arch, num_kv_blocks=256, cpu_decode_kernel=False)
+    assert engine.runner.decode_kernel is None
+    outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
+    check_all(reference_models[arch], prompt_ids, outputs, expected[arch])
+
+
 def test_prefix_group_prefix_is_computed_once(make_engine, reference_models, prompt_ids, expected):
     engine = make_engine("llama", num_kv_blocks=256, enable_prefix_caching=False)
     groups = prefix_groups_for(prompt_ids)
