@@ -128,6 +128,11 @@ class LLMEngine:
         """True while any request is waiting or running (or has an output not yet returned)."""
         return bool(self._requests or self._pending)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, as vLLM's `LLM.reset_prefix_cache`; only while
+        no request is unfinished (returns False and changes nothing otherwise)."""
+        return not self.has_unfinished() and self.kv.reset_prefix_cache()
+
     @property
     def stats(self) -> EngineStats:
         """Steps run, tokens computed and preemptions since the engine was built (a copy)."""

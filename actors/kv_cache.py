@@ -145,6 +145,18 @@ class KVCacheManager:
         request.block_ids = []
         request.num_hashed_blocks = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`, e.g. to start a benchmark
+        repetition cold). Only while no request holds a block: returns False and changes
+        nothing otherwise."""
+        if len(self._free) != len(self.blocks):
+            return False
+        self._hash_to_block.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        self._free = OrderedDict((i, None) for i in range(len(self.blocks)))
+        return True
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -49,3 +49,35 @@ def test_equal_leading_blocks_are_found_after_growth(extra: int) -> None:
     kv.cache_full_blocks(first)
     twin = Request("b", first.token_ids + [42], SamplingParams())
     assert kv.find_cached_blocks(twin) == first.block_ids[: first.num_tokens // 4]
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_all_are_free() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    first = Request("a", list(range(9)), SamplingParams())
+    kv.allocate(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    kv.cache_full_blocks(first)
+    twin = Request("b", list(range(9)), SamplingParams())
+    assert kv.reset_prefix_cache() is False  # `first` still holds its blocks
+    assert kv.find_cached_blocks(twin) == first.block_ids[:2]
+    cached = first.block_ids[:2]
+    kv.free(first)
+    assert kv.find_cached_blocks(twin) == cached  # free, but still revivable
+    assert kv.reset_prefix_cache() is True
+    assert kv.find_cached_blocks(twin) == []
+    assert kv.num_free_blocks == 8
+
+
+def test_engine_reset_prefix_cache_starts_the_next_batch_cold(make_engine) -> None:
+    engine = make_engine("llama", num_kv_blocks=64)
+    prompt = list(range(5, 45))  # 40 tokens: two full 16-token blocks to share
+    params = SamplingParams(max_tokens=3)
+    first = engine.generate([prompt], params)[0]
+    warm = engine.generate([prompt], params)[0]
+    assert first.num_cached_tokens == 0 and warm.num_cached_tokens == 32
+    assert engine.reset_prefix_cache() is True
+    cold = engine.generate([prompt], params)[0]
+    assert cold.num_cached_tokens == 0
+    assert cold.token_ids == warm.token_ids == first.token_ids
+    engine.add_request(prompt, params)
+    assert engine.reset_prefix_cache() is False  # a request is unfinished
