@@ -1,8 +1,9 @@
 """CPU kernels compiled on first use: the paged decode attention (`paged_decode.c`).
 
-torch has no paged attention on CPU (its varlen kernel is CUDA only, and IPEX, which had
-one, stopped at torch 2.8), so raypack ships one small C file and builds it with the
-machine's C compiler into a per-machine cache, then calls it through `ctypes` (no torch
+torch has no paged attention on CPU (its varlen kernel is CUDA only, and IPEX, which has
+one, last released for torch 2.8), so raypack ships one small C file and builds it with the
+machine's C compiler (`$CC`, else `cc`) into `~/.cache/raypack/kernels`
+(`$RAYPACK_CACHE_DIR/kernels`), then calls it through `ctypes` (no torch
 headers, so the build takes well under a second). The library is keyed by the source, the
 flags and the CPU's feature flags, because `-march=native` code must only run on the CPU it
 was built for (a home directory shared by unlike nodes keeps one build per kind of CPU).
@@ -104,9 +105,10 @@ def paged_decode_kernel(device: torch.device | str, dtype: torch.dtype) -> Paged
 
 @functools.cache  # one build and load per process; the library never changes once loaded
 def _load() -> ctypes.CDLL | None:
+    from actors.loader import cache_dir  # beside the converted models ($RAYPACK_CACHE_DIR)
+
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raypack"
-    return load_library(compiler, cache / "kernels")
+    return load_library(compiler, cache_dir() / "kernels")
 
 
 def load_library(compiler: str | None, cache_dir: Path) -> ctypes.CDLL | None:
