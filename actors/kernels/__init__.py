@@ -30,7 +30,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
+# Compiled with -ffast-math (vectorized expf and float sums) but LINKED without it: a link
+# with -ffast-math adds crtfastmath.o (GCC < 13), whose constructor sets flush-to-zero and
+# denormals-are-zero for the whole process when the library loads (torch's numerics, and
+# hypothesis's float strategies, noticed).
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 # OpenMP splits sequences over torch's threads; without it the kernel runs on one thread.
 OPENMP = ("-fopenmp",)
 
@@ -136,16 +140,23 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp[: -len(".so")] + ".o"
+
+    def run(*args: str) -> None:
+        subprocess.run([compiler, *args], check=True, capture_output=True, timeout=120)
+
     try:
-        base = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
         try:  # OpenMP where the compiler has it
-            subprocess.run(base + list(OPENMP), check=True, capture_output=True, timeout=120)
+            run(*FLAGS, *OPENMP, "-c", str(SOURCE), "-o", obj)
+            run("-shared", *OPENMP, obj, "-o", tmp, "-lm")
         except subprocess.CalledProcessError:
-            subprocess.run(base, check=True, capture_output=True, timeout=120)
+            run(*FLAGS, "-c", str(SOURCE), "-o", obj)
+            run("-shared", obj, "-o", tmp, "-lm")
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def _cpu_signature() -> str:

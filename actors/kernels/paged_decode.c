@@ -38,7 +38,10 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
         for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
         float sum = 0.f;
         for (int64_t t = 0; t < len; t++) {
-            s[t] = expf(s[t] - top);
+            /* Below e^-87 a weight is subnormal in float32: 0 instead, as flush-to-zero would
+               give, without the slow subnormal arithmetic (the process keeps IEEE floats). */
+            const float x = s[t] - top;
+            s[t] = x < -87.f ? 0.f : expf(x);
             sum += s[t];
         }
         const float inv = 1.f / sum;

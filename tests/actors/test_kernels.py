@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -145,3 +147,22 @@ def test_the_build_is_cached(tmp_path: Path, kernel) -> None:
     stamp = built.stat().st_mtime_ns
     assert kernels.load_library("false", tmp_path) is not None  # found: nothing compiled
     assert built.stat().st_mtime_ns == stamp
+
+
+def test_loading_the_kernel_keeps_subnormal_floats(tmp_path: Path) -> None:
+    """A library linked with -ffast-math would switch on flush-to-zero for the whole process
+    when it loads; ours must not (checked in a fresh process, before and after)."""
+    code = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from actors import kernels\n"
+        "before = sys.float_info.min / 2 > 0\n"
+        f"assert kernels.load_library('cc', Path({str(tmp_path)!r})) is not None\n"
+        "after = sys.float_info.min / 2 > 0\n"
+        "tiny = torch.tensor([1e-40]) * 1.0\n"
+        "print(before, after, bool(tiny.item() > 0))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["True", "True", "True"], done.stdout + done.stderr
