@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -101,33 +103,65 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        # The one place where sampling values are bounded (the job's error rows and Serve's
+        # 400s both come from here): every value must be one the engine can hold.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {list(self.stop)[:4]!r}")
+        if not all(_is_int(t) and 0 <= t < 2**31 for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be integers in [0, 2**31), got "
+                f"{list(self.stop_token_ids)[:4]!r}"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(
-                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}"
-            )
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-            )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        _int_in("max_tokens", self.max_tokens, 1, MAX_INT32)
+        _float_in("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if self.temperature < SAMPLING_EPS:  # as vLLM: a temperature this small is greedy
+            object.__setattr__(self, "temperature", 0.0)
+        _float_in("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p <= 0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_p < SAMPLING_EPS:  # below float32 resolution: only the best token stays
+            object.__setattr__(self, "top_p", SAMPLING_EPS)
+        _int_in("top_k", self.top_k, -1, MAX_INT32, "(-1 or 0 disable it)")
+        _int_in("min_tokens", self.min_tokens, 0, self.max_tokens, "(at most max_tokens)")
+        if self.seed is not None:
+            _int_in("seed", self.seed, MIN_SEED, MAX_SEED)
+        if self.logprobs is not None:
+            _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
         """True when sampling is argmax (temperature 0)."""
         return self.temperature == 0.0
+
+
+# Bounds of SamplingParams (what the engine can hold): seeds are torch.Generator's range.
+MAX_INT32 = 2**31 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+MAX_TEMPERATURE = 1e4
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _int_in(name: str, value: object, low: int, high: int, note: str = "") -> None:
+    if not _is_int(value) or not low <= value <= high:  # type: ignore[operator]
+        extra = f" {note}" if note else ""
+        raise ValueError(f"{name} must be an integer in [{low}, {high}]{extra}, got {value!r}")
+
+
+def _float_in(name: str, value: object, low: float, high: float) -> None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not low <= value <= high:  # type: ignore[arg-type,operator]
+        raise ValueError(f"{name} must be a finite number in [{low}, {high}], got {value!r}")
 
 
 def _positive(name: str, value: int) -> None:

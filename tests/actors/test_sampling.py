@@ -165,3 +165,37 @@ def test_abort_frees_blocks_and_reports(make_engine) -> None:
     assert finals[drop].finish_reason == "abort" and len(finals[drop].token_ids) == 1
     assert finals[keep].finished and finals[keep].finish_reason in ("stop", "length")
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "seed",
+            2**64,
+            r"seed must be an integer in \[-9223372036854775808, 18446744073709551615\]",
+        ),
+        ("seed", -(2**63) - 1, "seed must be an integer"),
+        ("top_k", 2**63, r"top_k must be an integer in \[-1, 2147483647\]"),
+        ("temperature", float("nan"), "temperature must be a finite number"),
+        ("temperature", float("inf"), "temperature must be a finite number"),
+        ("temperature", 1e30, r"temperature must be a finite number in \[0.0, 10000.0\]"),
+        ("top_p", float("nan"), "top_p must be a finite number"),
+        ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+        ("max_tokens", True, "max_tokens must be an integer"),
+        ("max_tokens", 2**40, "max_tokens must be an integer"),
+        ("logprobs", 10**6, r"logprobs must be an integer in \[0, 20\]"),
+        ("stop_token_ids", (2**40,), "stop_token_ids must be integers"),
+        ("temperature", "0.5", "temperature must be a finite number"),
+    ],
+)
+def test_sampling_params_bound_every_value_and_name_it(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_values_below_float32_resolution_are_what_they_are():
+    # 1e-300 is 0 in float32: such a temperature is greedy, such a top_p keeps the best token.
+    assert SamplingParams(temperature=1e-300).greedy
+    assert SamplingParams(temperature=1e-300, top_p=1e-300).top_p > 0
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
