@@ -21,6 +21,7 @@ from packing.admission import AdmissionConfig
 from pipeline.serve.auth import check_api_key, load_api_keys
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.errors import APIError
+from pipeline.serve.guard import GuardMiddleware
 from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.protocol import HealthResponse
 from pipeline.serve.service import OpenAIService
@@ -28,6 +29,8 @@ from pipeline.serve.staging import EngineLoop
 
 logger = logging.getLogger(__name__)
 
+# OpenAI-style codes for the routing errors Starlette raises itself.
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -36,6 +39,7 @@ def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = 
     api = FastAPI(
         title="raypack", summary="OpenAI-compatible serving", docs_url=None, redoc_url=None
     )
+    api.add_middleware(GuardMiddleware)
     max_body = service.config.max_body_bytes
 
     @api.exception_handler(APIError)
@@ -46,8 +50,9 @@ def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = 
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        error = APIError(exc.status_code, str(exc.detail), code="not_found")
-        return JSONResponse(error.body(), status_code=exc.status_code)
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
+        error = APIError(exc.status_code, str(exc.detail), code=code)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     async def authorized_body(request: Request) -> bytes:
         check_api_key(request.headers.get("authorization"), api_keys)

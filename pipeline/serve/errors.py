@@ -1,4 +1,8 @@
-"""OpenAI-style errors: one exception type carrying the status, and the JSON body it becomes."""
+"""OpenAI-style errors: one exception type carrying the status, and the JSON body it becomes.
+
+A 500 never shows an exception's text (it can carry internals): it names the request id, and
+the cause goes to the replica's log under that id.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +35,16 @@ class APIError(Exception):
     def body(self) -> dict[str, object]:
         """The JSON body: {"error": {"message", "type", "param", "code"}}."""
         return ErrorResponse(error=self.detail).model_dump()
+
+
+def internal_error(request_id: str) -> APIError:
+    """A 500 that says nothing of the cause (the caller logs it) and names the request id."""
+    return APIError(
+        500,
+        f"the server could not complete the request (id {request_id}); the cause is logged",
+        type="server_error",
+        code="internal_error",
+    )
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -2,7 +2,9 @@
 
 Requests reject unknown fields and wrong types (strict mode), so a typo is a 400 that names the
 field rather than a silently ignored option. Two vLLM extensions are accepted: `top_k` and
-`ignore_eos`.
+`ignore_eos`. Numbers are bounded here as in `actors.config.SamplingParams` (the one place
+that decides what the engine can hold; its ValueError is a 400 too): NaN and infinities are
+refused, seeds fit 64 bits and top_k 32 bits.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.config import MAX_INT32, MAX_SEED, MIN_SEED
+
 FinishReason = Literal["stop", "length"]
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -40,12 +44,18 @@ class _SamplingFields(_Request):
     top_k: int | None = Field(
         default=None,
         ge=-1,
+        le=MAX_INT32,
         description="vLLM extension: keep the k most likely tokens (0 or -1: all).",
     )
     stop: str | list[str] | None = Field(
         default=None, description="Up to 4 strings that end generation; they are cut from the text."
     )
-    seed: int | None = Field(default=None, description="Seed for sampling; same seed, same tokens.")
+    seed: int | None = Field(
+        default=None,
+        ge=MIN_SEED,
+        le=MAX_SEED,
+        description="Seed for sampling; same seed, same tokens (-2**63 to 2**64 - 1).",
+    )
     n: int = Field(
         default=1, ge=1, description="Number of choices; only 1 is supported (400 otherwise)."
     )

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel
 
 from actors.outputs import RequestOutput
-from pipeline.serve.errors import APIError
+from pipeline.serve.errors import internal_error
 from pipeline.serve.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -22,6 +23,8 @@ from pipeline.serve.protocol import (
     ResponseMessage,
     Usage,
 )
+
+logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 Kind = Literal["completion", "chat"]
@@ -44,7 +47,7 @@ class ResponseHeader:
 
     def full(self, output: RequestOutput) -> BaseModel:
         """The non-streamed body for a finished output."""
-        reason = finish_reason(output)
+        reason = finish_reason(output, self.request_id)
         if self.kind == "completion":
             choice = CompletionChoice(index=0, text=output.text, finish_reason=reason)
             return CompletionResponse(
@@ -103,15 +106,16 @@ class ResponseHeader:
         return f"data: {body.model_dump_json()}\n\n"
 
 
-def finish_reason(output: RequestOutput) -> Reason:
-    """OpenAI's finish reason; an engine error or abort becomes a 500 APIError."""
+def finish_reason(output: RequestOutput, request_id: str) -> Reason:
+    """OpenAI's finish reason; an engine error or abort becomes a generic 500 APIError naming
+    `request_id` (the cause is logged, never sent)."""
     if output.finish_reason in ("stop", "length"):
         return output.finish_reason
-    if output.finish_reason == "error":
-        raise APIError(
-            500, f"the engine could not run the request: {output.error}", type="server_error"
-        )
-    raise APIError(500, f"the request ended with {output.finish_reason!r}", type="server_error")
+    logger.error(
+        "request %s (engine %s) ended with %r: %s",
+        request_id, output.request_id, output.finish_reason, output.error,
+    )  # fmt: skip
+    raise internal_error(request_id)
 
 
 def usage(output: RequestOutput) -> Usage:

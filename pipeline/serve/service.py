@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from actors.config import SamplingParams
 from actors.outputs import RequestOutput
 from pipeline.serve.config import ServeConfig
-from pipeline.serve.errors import APIError, bad_request, from_validation_error
+from pipeline.serve.errors import APIError, bad_request, from_validation_error, internal_error
 from pipeline.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -129,7 +129,8 @@ class OpenAIService:
             async for output in stream:
                 final = output
         except EngineFailedError as exc:
-            raise APIError(500, f"the engine failed: {exc}", type="server_error") from exc
+            logger.error("request %s failed in the engine: %s", prepared.header.request_id, exc)
+            raise internal_error(prepared.header.request_id) from exc
         finally:
             if final is None or not final.finished:
                 self.loop.abort(stream.request_id)
@@ -149,7 +150,7 @@ class OpenAIService:
                 yield header.role_event()
             async for output in stream:
                 final = output
-                reason = finish_reason(output) if output.finished else None
+                reason = finish_reason(output, header.request_id) if output.finished else None
                 end = len(output.text) if output.finished else len(output.text) - hold
                 delta = output.text[sent:end]
                 sent = max(sent, end)
@@ -158,8 +159,8 @@ class OpenAIService:
             if final is not None and prepared.include_usage:
                 yield header.usage_event(usage(final))
         except EngineFailedError as exc:
-            error = APIError(500, f"the engine failed: {exc}", type="server_error")
-            yield sse(error.body())
+            logger.error("request %s failed in the engine: %s", header.request_id, exc)
+            yield sse(internal_error(header.request_id).body())
         except APIError as exc:
             yield sse(exc.body())
         finally:
@@ -222,8 +223,8 @@ class OpenAIService:
                 stop=request.stop_strings(),
                 ignore_eos=request.ignore_eos,
             )
-        except ValueError as exc:
-            raise bad_request(str(exc), "stop" if "stop" in str(exc) else None) from exc
+        except ValueError as exc:  # SamplingParams bounds every value; its message names it
+            raise bad_request(str(exc), _sampling_param(str(exc), request)) from exc
         if len(params.stop) > 4:
             raise bad_request(f"at most 4 stop strings, got {len(params.stop)}", "stop")
         header = ResponseHeader(
@@ -236,6 +237,14 @@ class OpenAIService:
             stream=request.stream,
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
         )
+
+
+def _sampling_param(message: str, request: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The request field a SamplingParams error is about (its message starts with the name)."""
+    name = message.split(" ", 1)[0]
+    if name == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    return name if name in type(request).model_fields else None
 
 
 def _parse(model: type[CompletionRequest] | type[ChatCompletionRequest], body: bytes) -> Any:

@@ -189,25 +189,38 @@ class EngineLoop:
             self._wakeup.set()
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            self._wakeup.clear()
-            self._apply_aborts()
-            wake_at = self._admit()
-            if self.engine.has_unfinished():
-                try:
-                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
-                except Exception as exc:  # noqa: BLE001 (fail the requests, keep serving)
-                    logger.exception("engine step failed; failing %d requests", self.num_running)
-                    self._fail_running(exc)
-                    continue
-                self._dispatch(outputs)
-                continue
-            timeout = None if wake_at is None else max(0.0, wake_at - self._clock())
             try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout)
-            except TimeoutError:
-                pass
+                await self._turn()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 (the loop must outlive any failure)
+                # Not one request's fault (those are caught where they happen): fail the
+                # running requests, as a failed step does, and keep serving newcomers.
+                logger.exception("the step loop failed; failing %d requests", self.num_running)
+                self._fail_running(exc)
+                await asyncio.sleep(0.01)  # never spin if the failure repeats
+
+    async def _turn(self) -> None:
+        """One pass: aborts, admission, then a step (or a wait for work)."""
+        self._wakeup.clear()
+        self._apply_aborts()
+        wake_at = self._admit()
+        if self.engine.has_unfinished():
+            loop = asyncio.get_running_loop()
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as exc:  # noqa: BLE001 (fail the requests, keep serving)
+                logger.exception("engine step failed; failing %d requests", self.num_running)
+                self._fail_running(exc)
+                return
+            self._dispatch(outputs)
+            return
+        timeout = None if wake_at is None else max(0.0, wake_at - self._clock())
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except TimeoutError:
+            pass
 
     def _admit(self) -> float | None:
         """Hand the admitted group to the engine; return when to ask again if nothing changes."""
@@ -218,7 +231,14 @@ class EngineLoop:
             count = min(count, max(0, self.max_running - len(self._running)))
         for _ in range(count):
             _, request = self._waiting.popitem(last=False)
-            self.engine.add_request(request.prompt_token_ids, request.params, request.request_id)
+            try:
+                self.engine.add_request(
+                    request.prompt_token_ids, request.params, request.request_id
+                )
+            except Exception as exc:  # noqa: BLE001 (this request's fault: fail it alone)
+                logger.exception("admitting %s failed; failing it alone", request.request_id)
+                self._fail(request, exc)
+                continue
             self._running[request.request_id] = request
         if count and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
@@ -278,12 +298,16 @@ class EngineLoop:
             output.num_cached_tokens,
         )
 
+    def _fail(self, request: _Request, exc: BaseException) -> None:
+        """End one request with an error (its stream raises EngineFailedError)."""
+        request.error = exc
+        request.changed.set()
+        try:
+            self.engine.abort_request(request.request_id)
+        except Exception:  # noqa: BLE001 (the engine is already broken)
+            logger.debug("abort after failure raised", exc_info=True)
+
     def _fail_running(self, exc: BaseException) -> None:
-        for request_id, request in list(self._running.items()):
-            request.error = exc
-            request.changed.set()
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:  # noqa: BLE001 (the engine is already broken)
-                logger.debug("abort after failure raised", exc_info=True)
+        for request in list(self._running.values()):
+            self._fail(request, exc)
         self._running.clear()
