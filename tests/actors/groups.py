@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tests.actors.reference import alpaca_prompt, alpaca_records
+from tests.actors.reference import sample_prompts
 
 try:  # the planner's type; a stand-in of the same shape until packing.prefix exists
     from packing.prefix import PrefixGroup
@@ -28,12 +28,11 @@ TRANSLATE = "Translate the following sentence into French, keeping its tone and 
 
 def shared_prefix_prompts() -> list[str]:
     """Nine prompts: five share SYSTEM, two share TRANSLATE, plus a 1-token and a long one."""
-    records = alpaca_records(40)
-    prompts = [SYSTEM + alpaca_prompt(r) for r in records[:5]]
+    texts = sample_prompts(40)
+    prompts = [SYSTEM + text for text in texts[:5]]
     prompts += [TRANSLATE + "The weather is lovely today.", TRANSLATE + "Where is the station?"]
     prompts.append("Hi")
-    longest = max(records, key=lambda r: len(alpaca_prompt(r)))
-    prompts.append(alpaca_prompt(longest))
+    prompts.append(max(texts, key=len))
     return prompts
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-ALPACA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "alpaca_5000.json"
+PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts.jsonl"  # see tests/data/README.md
 TIE_GAP = 1e-4  # a top-2 logit gap below this is a floating-point tie, not an engine bug
 
 
@@ -77,15 +77,12 @@ def assert_greedy_match(
     return False
 
 
-def alpaca_records(count: int, start: int = 0) -> list[dict[str, str]]:
-    """Real instruction records from the shared Alpaca sample."""
-    with open(ALPACA) as f:
-        records = json.load(f)
-    return records[start : start + count]
-
-
-def alpaca_prompt(record: dict[str, str]) -> str:
-    """The instruction (and input, when present) as one user message."""
-    if record.get("input"):
-        return f"{record['instruction']}\n\n{record['input']}"
-    return record["instruction"]
+def sample_prompts(count: int, start: int = 0) -> list[str]:
+    """`count` real user requests from the bundled HH-RLHF sample, from position `start`."""
+    with open(PROMPTS, encoding="utf-8") as f:
+        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    if start + count > len(prompts):
+        raise ValueError(
+            f"tests/data/prompts.jsonl holds {len(prompts)} prompts, not {start + count}"
+        )
+    return prompts[start : start + count]

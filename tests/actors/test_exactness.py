@@ -11,10 +11,9 @@ from actors import SamplingParams
 from packing.layout import token_slots
 from tests.actors.groups import prefix_groups_for, shared_prefix_prompts
 from tests.actors.reference import (
-    alpaca_prompt,
-    alpaca_records,
     assert_greedy_match,
     hf_greedy,
+    sample_prompts,
     torch_threads,
 )
 
@@ -163,11 +162,9 @@ def test_packed_prefill_kv_equals_solo_kv(
 def test_many_concurrent_decodes_span_several_attention_chunks(make_engine, reference_models):
     from actors.attention import DECODE_CHUNK
 
-    records = alpaca_records(3 * DECODE_CHUNK, start=100)
+    texts = sample_prompts(3 * DECODE_CHUNK, start=30)
     engine = make_engine("llama", num_kv_blocks=512)
-    prompts = [
-        engine.tokenizer.encode(alpaca_prompt(r), add_special_tokens=False)[:40] for r in records
-    ]
+    prompts = [engine.tokenizer.encode(t, add_special_tokens=False)[:40] for t in texts]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=6))
     with torch_threads(1):
         for ids, out in zip(prompts, outputs, strict=True):

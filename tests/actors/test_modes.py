@@ -13,10 +13,9 @@ from actors.model_runner import model_geometry
 from tests.actors.conftest import context_model
 from tests.actors.groups import prefix_groups_for, shared_prefix_prompts
 from tests.actors.reference import (
-    alpaca_prompt,
-    alpaca_records,
     assert_greedy_match,
     hf_greedy,
+    sample_prompts,
     torch_threads,
 )
 
@@ -217,10 +216,10 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def chat_ids(tokenizer) -> list[list[int]]:
-    """Six chat-templated Alpaca prompts (the template's system prompt is a shared prefix)."""
+    """Six chat-templated HH-RLHF requests (the template's system prompt is a shared prefix)."""
     ids = []
-    for record in alpaca_records(6, start=20):
-        messages = [{"role": "user", "content": alpaca_prompt(record)}]
+    for request in sample_prompts(6, start=20):
+        messages = [{"role": "user", "content": request}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids.append(tokenizer.encode(text, add_special_tokens=False))
     return ids

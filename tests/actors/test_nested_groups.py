@@ -11,10 +11,9 @@ from actors.prefix_plan import planned_order as _planned_order
 from packing.prefix import PrefixGroup, prefix_forest
 from tests.actors.groups import SYSTEM
 from tests.actors.reference import (
-    alpaca_prompt,
-    alpaca_records,
     assert_greedy_match,
     hf_greedy,
+    sample_prompts,
     torch_threads,
 )
 
@@ -31,7 +30,7 @@ def conversation_prompts() -> list[str]:
         "Hi there",
         MORGEN + "Human: And into Dutch?",
         PARIS + "Human: What about Italy?",
-        SYSTEM + alpaca_prompt(alpaca_records(3)[2]),
+        SYSTEM + sample_prompts(3)[2],
         PARIS + "Human: What about Italy? Answer in one word.",
         MORGEN + "Human: And into Swedish?",
         PARIS,

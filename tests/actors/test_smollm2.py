@@ -7,7 +7,7 @@ import pytest
 from actors import EngineConfig, LLMEngine, SamplingParams
 from actors.loader import load_model
 from tests.actors.groups import PrefixGroup, common_prefix_len
-from tests.actors.reference import alpaca_prompt, alpaca_records, assert_greedy_match, hf_greedy
+from tests.actors.reference import assert_greedy_match, hf_greedy, sample_prompts
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 MAX_TOKENS = 24
@@ -20,10 +20,10 @@ def reference():
 
 @pytest.fixture(scope="module")
 def prompt_ids(tokenizer) -> list[list[int]]:
-    """Four chat-templated Alpaca prompts; the template's system prompt is a shared prefix."""
+    """Four chat-templated HH-RLHF requests; the template's system prompt is a shared prefix."""
     ids = []
-    for record in alpaca_records(4, start=10):
-        messages = [{"role": "user", "content": alpaca_prompt(record)}]
+    for request in sample_prompts(4, start=10):
+        messages = [{"role": "user", "content": request}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids.append(tokenizer.encode(text, add_special_tokens=False))
     return ids
