@@ -20,6 +20,8 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
+from packing.greedy import best_fit_decreasing, first_fit_decreasing
+
 MAX_OPTIMAL_ITEMS = 64
 MAX_SEARCH_STEPS = 250_000
 
@@ -60,8 +62,6 @@ def pack_optimal(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     MAX_SEARCH_STEPS steps (a few seconds); "ffd" (at most 11/9 OPT + 6/9 bins) is the
     fallback for both.
     """
-    from packing.bins import best_fit_decreasing, first_fit_decreasing
-
     if len(lengths) > MAX_OPTIMAL_ITEMS:
         raise ValueError(
             f'method "optimal" is exact for at most {MAX_OPTIMAL_ITEMS} items, got '
