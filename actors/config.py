@@ -7,8 +7,6 @@ import numbers
 from dataclasses import dataclass
 from typing import Literal
 
-ExecutionMode = Literal["varlen", "prepack", "padded"]
-_MODES = ("varlen", "prepack", "padded")
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -33,7 +31,6 @@ class EngineConfig:
     # 2 GiB holds ~46K tokens of SmolLM2-135M: 256 running sequences of ~180 tokens.
     kv_cache_memory_gb: float = 2.0
     enable_prefix_caching: bool = True  # share identical leading full blocks by block hash
-    mode: ExecutionMode = "varlen"  # "prepack" and "padded" exist for benchmarks
     # float32 on CPU: attend decodes with the compiled paged kernel (`actors.kernels`); False,
     # or no C compiler: gather their blocks for SDPA (slower, the same tokens)
     cpu_decode_kernel: bool = True
@@ -58,10 +55,6 @@ class EngineConfig:
             )
         if self.worker_num_cpus <= 0:
             raise ValueError(f"worker_num_cpus must be > 0, got {self.worker_num_cpus}")
-        if self.world_size > 1 and self.mode != "varlen":
-            raise ValueError(
-                f"tensor/pipeline parallel engines run mode 'varlen' only, got {self.mode!r}"
-            )
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("block_size", self.block_size)
@@ -73,8 +66,6 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
-        if self.mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be float32, bfloat16 or float16 (or None), got {self.dtype!r}"

@@ -6,9 +6,7 @@ its block table (`packing.layout.slot_mapping`). Decodes come first so attention
 them. Logits are computed only at the last row of each request that samples this step.
 
 `prepare` (layout -> tensors) and `forward` (model call) are separate on purpose. The
-comparison modes (`EngineConfig.mode` "prepack" / "padded", `actors.modes`) take over the
-whole-prompt prefills of a step and copy their K/V into the paged cache; the rest of the step
-still runs here.
+padded and Prepacking prefills the benchmarks compare against live in `benchmarks/modes.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from typing import Any
 
 import torch
 
-from actors import attention, modes
+from actors import attention
 from actors.config import EngineConfig
 from actors.kernels import paged_decode_kernel
 from actors.kv_cache import allocate_kv_tensors
@@ -130,30 +128,5 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Copy blocks, run the step; the sampling requests and their logits."""
         self.copy_blocks(sched.block_copies)
-        if self.config.mode != "varlen":
-            return self._execute_with_mode(sched)
         inputs = self.prepare(sched)
         return inputs.sampling, self.forward(inputs)
-
-    # ---- comparison modes (EngineConfig.mode "prepack" / "padded"; for benchmarks) ----------
-
-    def _execute_with_mode(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
-        """Whole sequences with nothing cached are prefilled by `actors.modes` (2-D bins or
-        padded rows) and their K/V copied into their blocks; the rest of the step (decodes,
-        chunks, prefix hits) runs the flat varlen path as usual."""
-        whole = [r for r, n in sched.scheduled if r.num_computed_tokens == 0 and n == r.num_tokens]
-        rest = [(r, n) for r, n in sched.scheduled if r.num_computed_tokens or n < r.num_tokens]
-        sampling: list[Request] = []
-        logits: list[torch.Tensor] = []
-        if rest:
-            inputs = self.prepare(SchedulerOutput(scheduled=rest))
-            sampling += inputs.sampling
-            logits.append(self.forward(inputs))
-        if whole:
-            result = modes.prefill(self.model, [r.token_ids for r in whole], self.config.mode)
-            for req, kv in zip(whole, result.kv, strict=True):
-                modes.write_kv(self.kv_caches, kv, req.block_ids, self.block_size)
-            rows = [i for i, r in enumerate(whole) if not r.is_prefix]  # prefixes never sample
-            sampling += [whole[i] for i in rows]
-            logits.append(result.logits[rows])
-        return sampling, torch.cat(logits)

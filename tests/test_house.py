@@ -13,20 +13,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pipeline", "packing", "jobs", "benchmarks")
 
 
-def _modules() -> dict[str, Path]:
+def _modules(packages: tuple[str, ...]) -> dict[str, Path]:
     """Dotted module name -> file, for every module of our packages but their __init__.py
     (a package's face only hands names on; importing it is not a dependency on each module)."""
     mods = {}
-    for package in PACKAGES:
+    for package in packages:
         for path in sorted((ROOT / package).rglob("*.py")):
             if path.name != "__init__.py":
                 mods[".".join(path.relative_to(ROOT).with_suffix("").parts)] = path
     return mods
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
     """Module -> the modules of ours it imports (absolute imports, anywhere in the file)."""
-    mods = _modules()
+    mods = _modules(packages)
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for module, path in mods.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -91,3 +91,16 @@ def test_no_import_circles() -> None:
     assert found == [], "modules that import each other: " + "; ".join(
         " <-> ".join(c) for c in found
     )
+
+
+def test_packages_never_import_benchmarks() -> None:
+    graph = import_graph((*PACKAGES, "actors"))
+    assert any(m.startswith("benchmarks.") for m in graph)
+    wrong = [
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        if not m.startswith("benchmarks.")
+        for t in targets
+        if t.startswith("benchmarks.")
+    ]
+    assert wrong == []

@@ -134,7 +134,7 @@ class PipelinedEngine(LLMEngine):
         graph when every worker is a GPU on the engine's node. The graph's channel readers
         poll (the driver burned 80% of a core waiting for a result, an idle worker 25%): a
         host core per GPU affords that; a CPU engine pays with the cores its stages compute
-        on (jobs/bench_parallel.py, SmolLM2 pp=2 on 2 cores: 30% slower per step with
+        on (benchmarks/bench_parallel.py, SmolLM2 pp=2 on 2 cores: 30% slower per step with
         4-token decode steps, 6% faster with 128-token steps)."""
         super().__init__(config, **kwargs)
         assert isinstance(self.runner, ParallelExecutor)

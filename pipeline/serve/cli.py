@@ -1,4 +1,4 @@
-"""Command-line flags for serving (shared by jobs/serve.py and jobs/bench_serve.py)."""
+"""Command-line flags for serving (shared by jobs/serve.py and benchmarks/bench_serve.py)."""
 
 from __future__ import annotations
 

@@ -21,8 +21,6 @@ def test_config_validates_parallel_sizes() -> None:
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="placement_strategy"):
         EngineConfig(placement_strategy="ANYWHERE")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="varlen"):
-        EngineConfig(pipeline_parallel_size=2, mode="padded")
     assert EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=3).world_size == 6
 
 

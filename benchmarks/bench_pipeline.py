@@ -1,6 +1,6 @@
 """End-to-end benchmark of the offline job: prefix grouping on vs off, SmolLM2 on CPU.
 
-    python jobs/bench_pipeline.py --json
+    python benchmarks/bench_pipeline.py --json
 
 Each configuration runs the whole pipeline (read, tokenize, shuffle, plan, engine actors,
 Parquet) in these modes (`--modes`):

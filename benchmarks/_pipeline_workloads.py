@@ -1,4 +1,4 @@
-"""Workloads and measurements of jobs/bench_pipeline.py.
+"""Workloads and measurements of benchmarks/bench_pipeline.py.
 
 The workloads: HH-RLHF pairs and synthetic snippets (documents shared by `share` queries),
 shuffled with a fixed seed as a query log would be. The measurements read a run's output

@@ -6,18 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors import EngineConfig, LLMEngine, SamplingParams, attention, modes
+from actors import attention
 from actors.kv_cache import allocate_kv_tensors
 from actors.loader import load_model
 from actors.model_runner import model_geometry
+from benchmarks import modes
 from tests.actors.conftest import context_model
-from tests.actors.groups import prefix_groups_for, shared_prefix_prompts
-from tests.actors.reference import (
-    assert_greedy_match,
-    hf_greedy,
-    sample_prompts,
-    torch_threads,
-)
+from tests.actors.groups import shared_prefix_prompts
+from tests.actors.reference import sample_prompts
 
 ARCHS = ("llama", "qwen2", "mistral")
 ATOL = 1e-5
@@ -144,68 +140,6 @@ def test_bad_inputs_are_value_errors(reference_models, prompt_ids) -> None:
         modes.prefill(model, prompt_ids, "varlen")  # type: ignore[arg-type]
 
 
-# ---- the engine hook: EngineConfig.mode "prepack" / "padded" ------------------------------
-
-MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def expected(reference_models, prompt_ids) -> dict[str, list[list[int]]]:
-    """HF `generate` tokens per architecture, each prompt alone."""
-    with torch_threads(1):
-        return {
-            arch: [hf_greedy(model, ids, MAX_TOKENS) for ids in prompt_ids]
-            for arch, model in reference_models.items()
-        }
-
-
-@pytest.fixture
-def mode_calls(monkeypatch) -> list[int]:
-    """Records how many prompts each `modes.prefill` call got (the hook really ran)."""
-    calls: list[int] = []
-    original = modes.prefill
-
-    def spy(model, prompts, mode, **options):
-        calls.append(len(prompts))
-        return original(model, prompts, mode, **options)
-
-    monkeypatch.setattr(modes, "prefill", spy)
-    return calls
-
-
-def check_greedy(reference_model, prompt_ids, outputs, expected) -> None:
-    for ids, out, exp in zip(prompt_ids, outputs, expected, strict=True):
-        assert out.finished and out.error is None
-        assert_greedy_match(reference_model, ids, out.token_ids, exp)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode", ["prepack", "padded"])
-def test_engine_mode_matches_hf_generate(
-    make_engine, reference_models, prompt_ids, expected, mode_calls, arch, mode
-) -> None:
-    # A budget that holds every prompt: all prefills are whole and go through the mode.
-    engine = make_engine(arch, mode=mode, num_kv_blocks=256, max_num_batched_tokens=2048)
-    outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
-    assert mode_calls == [len(prompt_ids)]
-    check_greedy(reference_models[arch], prompt_ids, outputs, expected[arch])
-
-
-@pytest.mark.parametrize("mode", ["prepack", "padded"])
-def test_engine_mode_with_chunks_groups_and_preemption(
-    make_engine, reference_models, prompt_ids, expected, mode_calls, mode
-) -> None:
-    """Chunked prompts, prefix-group members and prefix-cache hits take the varlen path in
-    the same steps as whole prompts taking the mode; preempted requests come back whole."""
-    engine = make_engine(
-        "qwen2", mode=mode, num_kv_blocks=60, block_size=4, max_num_batched_tokens=96, chunk_size=32
-    )
-    groups = prefix_groups_for(prompt_ids)
-    outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS), groups)
-    assert mode_calls and engine.scheduler.num_preemptions > 0
-    check_greedy(reference_models["qwen2"], prompt_ids, outputs, expected["qwen2"])
-
-
 # ---- the embedded SmolLM2 on real chat prompts (slow) -------------------------------------
 
 
@@ -237,15 +171,3 @@ def test_smollm2_prepack_logits_and_kv_equal_solo(smollm2, chat_ids) -> None:
             for (k, v), layer in zip(result.kv[i], solo.past_key_values.layers, strict=True):
                 torch.testing.assert_close(k, layer.keys[0], atol=1e-4, rtol=0)
                 torch.testing.assert_close(v, layer.values[0], atol=1e-4, rtol=0)
-
-
-@pytest.mark.slow
-@pytest.mark.smollm2
-@pytest.mark.parametrize("mode", ["prepack", "padded"])
-def test_smollm2_engine_mode_matches_hf_generate(tokenizer, smollm2, chat_ids, mode) -> None:
-    engine = LLMEngine(
-        EngineConfig(mode=mode, num_kv_blocks=128), model=load_model("smollm2"), tokenizer=tokenizer
-    )
-    outputs = engine.generate(chat_ids, SamplingParams(max_tokens=16))
-    for ids, out in zip(chat_ids, outputs, strict=True):
-        assert_greedy_match(smollm2, ids, out.token_ids, hf_greedy(smollm2, ids, 16))

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as `python jobs/bench_*.py` from anywhere
+if str(ROOT) not in sys.path:  # run as `python benchmarks/bench_*.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
 DATA_DIR = Path(os.environ.get("RAYPACK_DATA_DIR", ROOT.parent / "shared" / "data"))

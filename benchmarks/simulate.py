@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from benchmarks.replay import Result, TraceRequest
 from packing.admission import AdmissionConfig, AdmissionController
-from pipeline.serve.replay import Result, TraceRequest
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """Online admission benchmark: replay the Azure conversation trace against each policy.
 
-    python jobs/bench_serve.py --json --png bench_serve.png
+    python benchmarks/bench_serve.py --json --png bench_serve.png
 
 For each policy (immediate, fixed windows, aimd) deploy the app on a local Ray Serve (loopback,
 free port), replay the same requests (load phases of rising rate from consecutive trace rows,
 lengths scaled to fit a CPU), and report TTFT p50/p95/p99, end-to-end latency and throughput
 per phase and overall, plus a PNG of TTFT over time with the aimd threshold N_t.
 `--simulate` adds the same comparison on a noise-free model of the engine
-(pipeline/serve/simulate.py); `--rounds 0` runs only that.
+(benchmarks/simulate.py); `--rounds 0` runs only that.
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from packing.admission import AdmissionConfig  # noqa: E402
-from pipeline.serve.cli import add_admission_arguments, admission_from_args  # noqa: E402
-from pipeline.serve.replay import (  # noqa: E402
+from benchmarks.replay import (  # noqa: E402
     HealthSample,
     Phase,
     Result,
@@ -42,7 +40,9 @@ from pipeline.serve.replay import (  # noqa: E402
     replay,
     summarise,
 )
-from pipeline.serve.simulate import StepCost, simulate  # noqa: E402
+from benchmarks.simulate import StepCost, simulate  # noqa: E402
+from packing.admission import AdmissionConfig  # noqa: E402
+from pipeline.serve.cli import add_admission_arguments, admission_from_args  # noqa: E402
 
 logger = logging.getLogger("raypack.bench_serve")
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

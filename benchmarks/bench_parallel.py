@@ -2,7 +2,7 @@
 budgets (Sarathi: chunked prefill, decodes first) against whole-prompt prefill steps, and
 tp=2 against tp=1 step time.
 
-    python jobs/bench_parallel.py --json
+    python benchmarks/bench_parallel.py --json
 
 The model is SmolLM2-135M itself (30 layers, 15 per stage): a stage's compute per step (tens
 to hundreds of ms on one core) is then large against the engine's own per-step cost, and the

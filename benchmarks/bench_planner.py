@@ -22,7 +22,7 @@ bar's reference) and the best any one-level grouping can do (one_level_optimal_s
 exact). On hh they differ: different dialogues share their openings ("Human: How do I"),
 which a grouping with one shared prefix per group cannot also share.
 
-    python jobs/bench_planner.py --json [--repeats 5]
+    python benchmarks/bench_planner.py --json [--repeats 5]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as `python jobs/bench_planner.py` from anywhere
+if str(ROOT) not in sys.path:  # run as `python benchmarks/bench_planner.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
 from packing import (  # noqa: E402

@@ -3,9 +3,9 @@
 For each dataset (Alpaca chat prompts, HH-RLHF dialogues) and batch size, one batch is drawn
 at random (fixed seed) and prefilled, interleaved, by:
 
-- `padded`: HF-style full batching (`actors.modes.padded_prefill`, left padding);
+- `padded`: HF-style full batching (`benchmarks.modes.padded_prefill`, left padding);
 - `length_ordered`: the batch sorted by length and cut into `--sub-batches` padded batches;
-- `prepack`: Prepacking's FFD bins of the longest prompt's size (`actors.modes.prepack_prefill`);
+- `prepack`: Prepacking's FFD bins of the longest prompt's size (`benchmarks.modes.prepack_prefill`);
 - `varlen`: the engine's own path: every prompt in ONE engine step (flat sequence, paged
   attention, KV written to the paged cache), via `LLMEngine.generate(max_tokens=1)`;
 - `solo`: each prompt alone, in a loop.
@@ -13,7 +13,7 @@ at random (fixed seed) and prefilled, interleaved, by:
 Bar (issue 3): varlen's speedup over padded >= 0.9 x the batch's padded/real token ratio, and
 varlen faster than solo; the same is reported for prepack.
 
-    python jobs/bench_prefill.py --json [--batch-sizes 8 16] [--datasets alpaca] [--repeats 5]
+    python benchmarks/bench_prefill.py --json [--batch-sizes 8 16] [--datasets alpaca] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from typing import Any
 import _bench_common as common
 import torch
 
-from actors import EngineConfig, LLMEngine, SamplingParams, loader, modes
+from actors import EngineConfig, LLMEngine, SamplingParams, loader
 from actors.kv_cache import kv_bytes_per_block
 from actors.model_runner import model_geometry
+from benchmarks import modes
 
 METHODS = ("padded", "length_ordered", "prepack", "varlen", "solo")
 BAR_FRACTION = 0.9

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.serve.replay import Phase, Result, build_requests, check_bar, read_trace, summarise
+from benchmarks.replay import Phase, Result, build_requests, check_bar, read_trace, summarise
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "azure_llm_trace_2023_conv_head.csv"
 

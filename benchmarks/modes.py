@@ -1,8 +1,7 @@
 """Comparison prefill modes: HF-style padded batches and Prepacking's 2-D bins.
 
 The engine's own prefill (`varlen`) packs a step into one flat sequence with no padding. These
-two modes exist to measure it against the usual alternatives, and either can also feed the
-engine (`EngineConfig.mode`):
+two modes exist to measure it against the usual alternatives (`benchmarks/bench_prefill.py`):
 
 - `padded`: full batching as Hugging Face does it: one row per prompt, padded to the longest
   (left by default, as `generate` does for decoder-only models), a 2-D attention mask from which
@@ -14,7 +13,7 @@ engine (`EngineConfig.mode`):
 
 Both take an HF causal LM and token-id lists and return, per prompt, the logits at its last
 token and its K/V in every layer (views into the batch's `DynamicCache`), so a benchmark can
-time the prefill alone and the engine can copy the K/V into its paged cache (`write_kv`).
+time the prefill alone, and `write_kv` can copy the K/V into a paged cache.
 """
 
 from __future__ import annotations
@@ -138,7 +137,7 @@ def solo_prefill(model: Any, prompts: Sequence[Sequence[int]]) -> PrefillResult:
 def prefill(
     model: Any, prompts: Sequence[Sequence[int]], mode: PrefillMode | str, **options: Any
 ) -> PrefillResult:
-    """Dispatch to `padded_prefill` or `prepack_prefill` by mode name (`EngineConfig.mode`)."""
+    """Dispatch to `padded_prefill` or `prepack_prefill` by mode name."""
     if mode == "padded":
         return padded_prefill(model, prompts, **options)
     if mode == "prepack":

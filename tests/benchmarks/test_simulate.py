@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.replay import TraceRequest
+from benchmarks.simulate import StepCost, simulate
 from packing.admission import AdmissionConfig
-from pipeline.serve.replay import TraceRequest
-from pipeline.serve.simulate import StepCost, simulate
 
 COST = StepCost(fixed_s=0.05, per_token_s=0.001, per_request_s=0.0)
 

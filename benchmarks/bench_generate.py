@@ -18,7 +18,7 @@ generated tokens) / time, against a large fp32 matmul measured in the same run. 
 of raypack are compared with `hf_generate`'s; where they differ, the logit gap of the two
 tokens in a solo forward at the first differing token says whether it was a tie.
 
-    python jobs/bench_generate.py --json [--num-prompts 256] [--max-tokens 64] [--repeats 5]
+    python benchmarks/bench_generate.py --json [--num-prompts 256] [--max-tokens 64] [--repeats 5]
 """
 
 from __future__ import annotations
