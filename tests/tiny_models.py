@@ -1,7 +1,9 @@
 """Tiny randomly initialised decoder models for tests (fixed seeds, CPU, float32).
 
 Each uses the embedded SmolLM2 tokenizer (vocab 49152), so prompts are real text; the models
-are small enough that a forward pass takes milliseconds.
+are small enough that a forward pass takes milliseconds. Their next token depends on the whole
+context, not only on the last token: tests/test_tiny_models.py zeroes every layer's attention
+and sees the greedy output change on every prompt the token-comparing tests use.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from actors.loader import ensure_embedded_converted, load_tokenizer
 
 VOCAB = 49152
+LAYER_STD = 0.2  # layer matrices' init spread: attention really moves the logits
 
 # (model_type, heads, kv heads, head_dim): GQA, an odd head count, and plain MHA.
 ARCHS: dict[str, dict[str, int | str | bool]] = {
@@ -47,7 +50,13 @@ def tiny_config(arch: str = "llama", num_layers: int = 2, max_position_embedding
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, num_layers: int = 2):
-    """A tiny random model in eval mode (float32, CPU), the same for the same seed."""
+    """A tiny random model in eval mode (float32, CPU), the same for the same seed.
+
+    Transformers' default init (std 0.02) leaves attention's contribution to the logits around
+    1e-3 next to the wide embeddings below, so a broken attention mask or KV cache could still
+    give the right greedy tokens. Layer matrices drawn with std 0.2 make the context move the
+    logits by about 0.5: token comparisons then test the attention and KV paths.
+    """
     torch.manual_seed(seed)
     config = tiny_config(arch, num_layers)
     model = AutoModelForCausalLM.from_config(
@@ -57,6 +66,10 @@ def tiny_model(arch: str = "llama", seed: int = 0, num_layers: int = 2):
     # makes greedy choices well separated so token comparisons are meaningful.
     with torch.no_grad():
         model.get_input_embeddings().weight.normal_(0, 1.0)
+        generator = torch.Generator().manual_seed(1)
+        for param in model.model.layers.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, LAYER_STD, generator=generator)
     return model.eval()
 
 

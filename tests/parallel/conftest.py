@@ -25,14 +25,8 @@ MAX_TOKENS = 8
 
 
 def context_model(arch: str, num_layers: int = 2):
-    """A tiny model whose next token depends on the context (see tests/actors/conftest.py)."""
-    model = tiny_model(arch, num_layers=num_layers)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.model.layers.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.2, generator=generator)
-    return model
+    """A tiny model whose next token depends on the context (tests.tiny_models)."""
+    return tiny_model(arch, num_layers=num_layers)
 
 
 def save_context_model(folder: Path, arch: str, num_layers: int = 2) -> Path:

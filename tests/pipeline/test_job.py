@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.config import EngineConfig, SamplingParams
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
 from pipeline.infer import InferStage
 from pipeline.job import run_job
-from pipeline.prompts import PromptBuilder, merge_sampling
 from pipeline.report import REPORT_FILE, SUMMARY_FILE
+from tests.actors.reference import hf_greedy, torch_threads
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 
 ROOT = Path(__file__).parents[2]
@@ -50,11 +52,9 @@ def read_output(output: Path) -> dict[str, dict]:
     return out
 
 
-def test_one_actor_every_id_once_equal_to_engine(
+def test_one_actor_every_id_once_equal_to_hf_generate(
     ray_cluster, prompt_table, tiny_model_dir, tmp_path
 ):
-    from actors import LLMEngine
-
     # One partition: every row meets there without the keyed shuffle (the small-input path).
     config = make_config(prompt_table, tiny_model_dir, tmp_path / "out", num_partitions=1)
     summary = run_job(config)
@@ -70,21 +70,20 @@ def test_one_actor_every_id_once_equal_to_engine(
     assert "max_tokens" in errors["bad-override"]
     assert all(out[i]["finish_reason"] == "error" for i in MALFORMED)
 
-    # The same prompts through the engine directly, one call, no prefix groups.
+    # Hugging Face `generate` on each prompt alone (the template filled by str.format, the
+    # row's max_tokens or the job's 4), not the job's own prompt builder or engine.
     valid = [r for r in table if r["id"] not in MALFORMED]
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_seqs=64))
-    builder = PromptBuilder(PromptConfig(template=TEMPLATE))
-    params = [
-        merge_sampling(config.sampling, {"max_tokens": r["max_tokens"]} if r["max_tokens"] else {})
-        for r in valid
-    ]
-    direct = engine.generate([builder.build(r) for r in valid], params)
-    for row, ref in zip(valid, direct, strict=True):
-        got = out[row["id"]]
-        assert got["generated_token_ids"] == list(ref.token_ids), row["id"]
-        assert got["generated_text"] == ref.text
-        assert got["num_prompt_tokens"] == ref.num_prompt_tokens
-        assert got["doc_id"] == row["doc_id"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch_threads(1):
+        for row in valid:
+            got = out[row["id"]]
+            ids = tokenizer.encode(TEMPLATE.format(**row), add_special_tokens=False)
+            expected = hf_greedy(model, ids, row["max_tokens"] or 4)
+            assert got["generated_token_ids"] == expected, row["id"]
+            assert got["generated_text"] == tokenizer.decode(expected, skip_special_tokens=True)
+            assert got["num_prompt_tokens"] == len(ids)
+            assert got["doc_id"] == row["doc_id"]
 
     # Each document's rows ran as one prefix group, with its prefix served from the cache.
     by_doc = defaultdict(list)

@@ -1,4 +1,5 @@
-"""The live OpenAI-compatible API: shapes, streaming, greedy equality with batch `generate`."""
+"""The live OpenAI-compatible API: shapes, streaming, greedy equality with Hugging Face
+`generate` on each prompt alone."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import time
 import pytest
 import requests
 
-from actors.config import SamplingParams
 from tests.serve.conftest import MODEL, Live
+from tests.serve.hf_reference import HFReference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -18,6 +19,11 @@ CHAT = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name three colours."},
 ]
+
+
+@pytest.fixture(scope="module")
+def hf(live: Live) -> HFReference:
+    return HFReference(live.model_dir)
 
 
 def sse_events(response: requests.Response) -> list[str]:
@@ -30,13 +36,6 @@ def sse_events(response: requests.Response) -> list[str]:
     return events
 
 
-def chat_ids(engine, messages: list[dict[str, str]]) -> list[int]:  # noqa: ANN001
-    text = engine.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
-    )
-    return engine.tokenizer.encode(text, add_special_tokens=False)
-
-
 def test_health_and_models(live: Live) -> None:
     health = requests.get(live.url("/health"), timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "ok"
@@ -46,8 +45,8 @@ def test_health_and_models(live: Live) -> None:
     assert models["data"][0]["max_model_len"] == 512
 
 
-def test_completions_greedy_equal_batch_generate(live: Live, reference_engine) -> None:  # noqa: ANN001
-    expected = reference_engine.generate(PROMPTS, SamplingParams(max_tokens=12))
+def test_completions_greedy_equal_hf_generate(live: Live, hf: HFReference) -> None:
+    expected = [hf.greedy(p, 12) for p in PROMPTS]
     for prompt, ref in zip(PROMPTS, expected, strict=True):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
         answer = requests.post(live.url("/v1/completions"), json=body, timeout=60)
@@ -61,14 +60,14 @@ def test_completions_greedy_equal_batch_generate(live: Live, reference_engine) -
         assert data["usage"]["completion_tokens"] == 12
         assert data["usage"]["total_tokens"] == ref.num_prompt_tokens + 12
     # token ids in, the same text out
-    ids = reference_engine.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    ids = hf.prompt_ids(PROMPTS[0])
     body = {"model": MODEL, "prompt": ids, "max_tokens": 12, "temperature": 0}
     data = requests.post(live.url("/v1/completions"), json=body, timeout=60).json()
     assert data["choices"][0]["text"] == expected[0].text
 
 
-def test_streamed_completion_concatenates_to_batch_output(live: Live, reference_engine) -> None:  # noqa: ANN001
-    ref = reference_engine.generate([PROMPTS[1]], SamplingParams(max_tokens=10))[0]
+def test_streamed_completion_concatenates_to_hf_output(live: Live, hf: HFReference) -> None:
+    ref = hf.greedy(PROMPTS[1], 10)
     body = {
         "model": MODEL,
         "prompt": PROMPTS[1],
@@ -90,10 +89,8 @@ def test_streamed_completion_concatenates_to_batch_output(live: Live, reference_
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 10
 
 
-def test_chat_streamed_and_not_equal_batch_generate(live: Live, reference_engine) -> None:  # noqa: ANN001
-    ref = reference_engine.generate(
-        [chat_ids(reference_engine, CHAT)], SamplingParams(max_tokens=8)
-    )[0]
+def test_chat_streamed_and_not_equal_hf_generate(live: Live, hf: HFReference) -> None:
+    ref = hf.greedy(CHAT, 8)
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0}
     data = requests.post(live.url("/v1/chat/completions"), json=body, timeout=60).json()
     assert data["object"] == "chat.completion"
@@ -112,22 +109,20 @@ def test_chat_streamed_and_not_equal_batch_generate(live: Live, reference_engine
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_openai_client_unchanged(live: Live, reference_engine) -> None:  # noqa: ANN001
+def test_openai_client_unchanged(live: Live, hf: HFReference) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=live.url("/v1"), api_key="not-checked", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list()] == [MODEL]
 
-    ref = reference_engine.generate([PROMPTS[2]], SamplingParams(max_tokens=6))[0]
+    ref = hf.greedy(PROMPTS[2], 6)
     completion = client.completions.create(
         model=MODEL, prompt=PROMPTS[2], max_tokens=6, temperature=0, seed=1, stop=["\n\n\n"]
     )
     assert completion.choices[0].text == ref.text
     assert completion.usage is not None and completion.usage.completion_tokens == 6
 
-    chat_ref = reference_engine.generate(
-        [chat_ids(reference_engine, CHAT)], SamplingParams(max_tokens=6)
-    )[0]
+    chat_ref = hf.greedy(CHAT, 6)
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
     assert chat.choices[0].message.content == chat_ref.text
     assert chat.choices[0].finish_reason == "length"

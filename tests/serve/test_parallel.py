@@ -1,5 +1,5 @@
 """A tensor-parallel engine behind Serve: the replica reserves its workers' bundles and its
-engine places them there; greedy answers equal the single-process engine's."""
+engine places them there; greedy answers equal Hugging Face `generate`."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from dataclasses import replace
 import pytest
 import requests
 
-from actors.config import EngineConfig, SamplingParams
+from actors.config import EngineConfig
 from packing.admission import AdmissionConfig
 from pipeline.serve.app import placement_options
 from pipeline.serve.config import ServeConfig
 from tests.serve.conftest import MODEL, Live
+from tests.serve.hf_reference import HFReference
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 REPLICA_CPUS = 0.2
@@ -61,13 +62,14 @@ def test_placement_options_reserve_one_bundle_per_worker() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_tp2_app_answers_like_the_single_engine(live: Live, reference_engine) -> None:  # noqa: ANN001
+def test_tp2_app_answers_like_hf_generate(live: Live) -> None:
     from ray import serve
     from ray.util.placement_group import placement_group_table
 
     from pipeline.serve import build_app
 
-    expected = reference_engine.generate(PROMPTS, SamplingParams(max_tokens=10))
+    hf = HFReference(live.model_dir)
+    expected = [hf.greedy(p, 10) for p in PROMPTS]
     groups_before = _live_groups(placement_group_table())
     serve.run(build_app(tp_config(live.model_dir)), name="tp", route_prefix="/tp")
     try:
