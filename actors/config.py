@@ -7,6 +7,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Literal
 
+# How attention runs (`actors.attention`); "auto" picks from the device and dtype.
+AttentionBackendName = Literal["auto", "cpu_kernel", "sdpa", "varlen"]
+ATTENTION_BACKENDS = ("auto", "cpu_kernel", "sdpa", "varlen")
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -31,9 +34,11 @@ class EngineConfig:
     # 2 GiB holds ~46K tokens of SmolLM2-135M: 256 running sequences of ~180 tokens.
     kv_cache_memory_gb: float = 2.0
     enable_prefix_caching: bool = True  # share identical leading full blocks by block hash
-    # float32 on CPU: attend decodes with the compiled paged kernel (`actors.kernels`); False,
-    # or no C compiler: gather their blocks for SDPA (slower, the same tokens)
-    cpu_decode_kernel: bool = True
+    # "cpu_kernel": decodes by the compiled paged kernel (CPU float32); "sdpa": decodes'
+    # blocks gathered for torch SDPA (any device; slower on CPU, the same tokens); "varlen":
+    # flash varlen (CUDA bf16/fp16); "auto": varlen, else cpu_kernel when a C compiler builds
+    # it, else sdpa
+    attention_backend: AttentionBackendName = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     tensor_parallel_size: int = 1  # workers per pipeline stage, each with 1/tp of heads and MLP
@@ -66,6 +71,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be float32, bfloat16 or float16 (or None), got {self.dtype!r}"

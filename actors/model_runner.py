@@ -19,7 +19,6 @@ import torch
 
 from actors import attention
 from actors.config import EngineConfig
-from actors.kernels import paged_decode_kernel
 from actors.kv_cache import allocate_kv_tensors
 from actors.request import Request
 from actors.scheduler import SchedulerOutput
@@ -57,8 +56,6 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        # Flash varlen kernels exist for CUDA half precision only.
-        self.use_varlen = self.device.type == "cuda" and self.dtype != torch.float32
         num_layers, num_kv_heads, head_dim = model_geometry(model)
         self.kv_caches = allocate_kv_tensors(
             num_layers,
@@ -69,9 +66,8 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.decode_kernel = (
-            paged_decode_kernel(self.device, self.dtype) if config.cpu_decode_kernel else None
-        )
+        # Chosen once, from the config and the cache's device and dtype (`actors.attention`).
+        self.attention_backend = attention.make_backend(config.attention_backend, self.kv_caches)
         attention.register()
         model.set_attn_implementation(attention.ATTN_NAME)
 
@@ -80,19 +76,15 @@ class ModelRunner:
         step = lay_out(sched)
         tables = [r.block_ids for r in step.requests]
         slots = slot_mapping(step.num_cached, step.num_new, tables, self.block_size)
-        meta = attention.build_metadata(
-            self.kv_caches,
+        batch = attention.StepBatch(
             step.num_cached,
             step.num_new,
             tables,
-            slots,
             step.layout.cu_seqlens_q,
-            self.block_size,
             step.num_decodes,
-            self.device,
-            use_varlen=self.use_varlen,
-            decode_kernel=self.decode_kernel,
+            self.block_size,
         )
+        meta = attention.AttentionMetadata.build(self.attention_backend, batch, slots)
         return ModelInput(
             input_ids=torch.tensor(step.input_ids, dtype=torch.long, device=self.device)[None],
             position_ids=torch.from_numpy(step.layout.positions).to(self.device)[None],

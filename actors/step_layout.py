@@ -1,7 +1,7 @@
 """A scheduled step laid out as one flat sequence, shared by the single-device runner
 (`ModelRunner.prepare`) and the parallel engine's `plan_step`, so both run the same rows.
 
-Decodes come first (the CPU attention path batches them), then prefill chunks in scheduled
+Decodes come first (the decode attention backends take them as one batch), then prefill chunks in scheduled
 order; positions continue after each request's cached tokens; a request samples (gets a
 logits row) when its chunk reaches its last token, unless it is a shared-prefix request.
 """

@@ -9,7 +9,8 @@ flags and the CPU's feature flags, because `-march=native` code must only run on
 was built for (a home directory shared by unlike nodes keeps one build per kind of CPU).
 
 When no compiler works, `paged_decode_kernel` logs why once and returns None, and the
-attention falls back to gathering blocks for SDPA: slower, the same tokens.
+engine's "auto" attention backend gathers decode blocks for SDPA instead (`actors.attention`):
+slower, the same tokens.
 """
 
 from __future__ import annotations
@@ -60,25 +61,35 @@ class PagedDecode:
         scale: float,
         out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written
     ) -> None:
-        """Attend each sequence's one query to its keys in the paged cache, into `out`."""
-        num_seqs, num_heads, head_dim = query.shape
-        _, block_size, kv_heads, _ = k_cache.shape
-        for name, t, dtype in (
-            ("query", query, torch.float32),
-            ("k_cache", k_cache, torch.float32),
-            ("v_cache", v_cache, torch.float32),
-            ("out", out, torch.float32),
-            ("block_tables", block_tables, torch.int64),
-            ("seq_lens", seq_lens, torch.int64),
-        ):
-            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
-        if out.shape != query.shape or not len(block_tables) == num_seqs == len(seq_lens):
+        """Attend each sequence's one query to its keys in the paged cache, into `out`;
+        every argument checked (a ValueError names the bad one)."""
+        check_cache(k_cache, v_cache)
+        check_step(block_tables, seq_lens)
+        _check("query", query, torch.float32)
+        _check("out", out, torch.float32)
+        if out.shape != query.shape or len(query) != len(seq_lens):
             raise ValueError("query, out, block_tables and seq_lens disagree on num_seqs")
-        if num_heads % kv_heads or v_cache.shape != k_cache.shape:
-            raise ValueError("num_heads must be a multiple of kv_heads; K and V caches alike")
+        if query.shape[1] % k_cache.shape[2]:
+            raise ValueError("num_heads must be a multiple of kv_heads")
+        self.run(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
+
+    def run(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """`__call__` without the checks, for a caller that made sure of them: the caches
+        with `check_cache` once, the step's tables with `check_step` once per step, and
+        query and out contiguous float32 of the same shape (`actors.attention.kernel`)."""
+        num_seqs, num_heads, head_dim = query.shape
         if num_seqs == 0:
             return
+        _, block_size, kv_heads, _ = k_cache.shape
         failed = self._fn(
             query.data_ptr(),
             k_cache.data_ptr(),
@@ -97,6 +108,31 @@ class PagedDecode:
         )
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """A layer's K and V caches as the kernel reads them: alike, contiguous float32 on CPU,
+    `[num_blocks, block_size, kv_heads, head_dim]`."""
+    _check("k_cache", k_cache, torch.float32)
+    _check("v_cache", v_cache, torch.float32)
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "K and V caches must be alike, [num_blocks, block_size, kv_heads, head_dim]; got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+
+
+def check_step(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """A step's block tables `[num_seqs, max_blocks]` and seq_lens `[num_seqs]`, int64."""
+    _check("block_tables", block_tables, torch.int64)
+    _check("seq_lens", seq_lens, torch.int64)
+    if block_tables.dim() != 2 or len(block_tables) != len(seq_lens):
+        raise ValueError("query, out, block_tables and seq_lens disagree on num_seqs")
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
 
 
 def paged_decode_kernel(device: torch.device | str, dtype: torch.dtype) -> PagedDecode | None:

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from actors import attention
 from actors.config import EngineConfig
-from actors.kernels import paged_decode_kernel
 from actors.kv_cache import allocate_kv_tensors
 from actors.parallel.plan import StepPlan
 from actors.parallel.weights import build_stage
@@ -83,10 +82,8 @@ class StageWorker:
         # attention.paged_attention indexes by the global layer_idx: other layers get nothing.
         empty = torch.empty(0, device=self.device)
         self.kv_caches = [(empty, empty)] * start + owned
-        self.decode_kernel = (
-            paged_decode_kernel(self.device, getattr(torch, dtype))
-            if self.config.cpu_decode_kernel
-            else None
+        self.attention_backend = attention.make_backend(
+            self.config.attention_backend, self.kv_caches
         )
         return start, stop
 
@@ -132,19 +129,15 @@ class StageWorker:
         rank 0, None from the others."""
         start, cpu = time.monotonic(), time.thread_time()
         self.copy_blocks(list(plan.block_copies))
-        meta = attention.build_metadata(
-            self.kv_caches,
+        batch = attention.StepBatch(
             plan.num_cached,
             plan.num_new,
             [list(t) for t in plan.block_tables],
-            plan.slot_mapping,
             plan.cu_seqlens_q,
-            self.config.block_size,
             plan.num_decodes,
-            self.device,
-            use_varlen=self.device.type == "cuda" and self.kv_caches[-1][0].dtype != torch.float32,
-            decode_kernel=self.decode_kernel,
+            self.config.block_size,
         )
+        meta = attention.AttentionMetadata.build(self.attention_backend, batch, plan.slot_mapping)
         if self._crash_at_step == plan.step:
             logger.error("fault injection: worker exits in step %d", plan.step)
             os._exit(1)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from actors import EngineConfig, LLMEngine
+from actors.attention import available_backends
+from actors.config import ATTENTION_BACKENDS
 from actors.loader import load_tokenizer
 from tests.actors.reference import torch_threads
 from tests.tiny_models import tiny_model
@@ -43,3 +46,12 @@ def make_engine(tokenizer):
         return LLMEngine(EngineConfig(**config), model=context_model(arch), tokenizer=tokenizer)
 
     return make
+
+
+@pytest.fixture(params=[name for name in ATTENTION_BACKENDS if name != "auto"])
+def attention_backend(request) -> str:
+    """Each attention backend in turn; those this machine cannot run for the CPU float32
+    test models (varlen needs CUDA, cpu_kernel a C compiler) are skipped."""
+    if request.param not in available_backends("cpu", torch.float32):
+        pytest.skip(f"attention backend {request.param!r} cannot run on CPU in float32 here")
+    return request.param

@@ -6,9 +6,17 @@ from actors import SamplingParams
 from tests.actors.reference import assert_greedy_match, hf_greedy
 
 
-def test_generate_matches_hf_greedy(make_engine, tokenizer, reference_models) -> None:
+def test_generate_matches_hf_greedy(
+    make_engine, tokenizer, reference_models, attention_backend
+) -> None:
     prompts = ["Hello there, how are you doing today?", "The capital of France is", "x"]
-    engine = make_engine("llama", num_kv_blocks=64, chunk_size=7, max_num_batched_tokens=32)
+    engine = make_engine(
+        "llama",
+        num_kv_blocks=64,
+        chunk_size=7,
+        max_num_batched_tokens=32,
+        attention_backend=attention_backend,
+    )
     outs = engine.generate(prompts, SamplingParams(max_tokens=10))
     for prompt, out in zip(prompts, outs, strict=True):
         ids = tokenizer.encode(prompt, add_special_tokens=False)

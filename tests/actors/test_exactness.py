@@ -1,6 +1,7 @@
 """Greedy outputs equal Hugging Face `generate` on each prompt alone, on every engine path:
 chunk sizes, prefix groups, preemption, requests arriving between steps; and the packed
-prefill's KV equals each prompt's own KV."""
+prefill's KV equals each prompt's own KV. Each over every attention backend this machine
+runs (the `attention_backend` fixture)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from actors import SamplingParams
+from actors.attention.sdpa import SdpaDecodeBackend
 from packing.layout import token_slots
 from tests.actors.groups import prefix_groups_for, shared_prefix_prompts
 from tests.actors.reference import (
@@ -46,11 +48,22 @@ def check_all(reference_model, prompt_ids, outputs, expected) -> None:
 @pytest.mark.parametrize("chunk_size", [7, 32, None])
 @pytest.mark.parametrize("grouped", [False, True], ids=["no-groups", "groups"])
 def test_greedy_matches_hf_generate(
-    make_engine, reference_models, prompt_ids, expected, arch, chunk_size, grouped
+    make_engine,
+    reference_models,
+    prompt_ids,
+    expected,
+    arch,
+    chunk_size,
+    grouped,
+    attention_backend,
 ) -> None:
     budget = 64 if chunk_size == 32 else 512  # 32: several chunks also share a small budget
     engine = make_engine(
-        arch, num_kv_blocks=256, chunk_size=chunk_size, max_num_batched_tokens=budget
+        arch,
+        num_kv_blocks=256,
+        chunk_size=chunk_size,
+        max_num_batched_tokens=budget,
+        attention_backend=attention_backend,
     )
     groups = prefix_groups_for(prompt_ids) if grouped else None
     outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS), groups)
@@ -66,16 +79,23 @@ def test_greedy_matches_hf_generate(
 def test_sdpa_decode_fallback_matches_hf_generate(
     make_engine, reference_models, prompt_ids, expected, arch
 ) -> None:
-    """Without the compiled decode kernel (no compiler, or turned off) decodes gather their
-    blocks for SDPA: the same tokens."""
-    engine = make_engine(arch, num_kv_blocks=256, cpu_decode_kernel=False)
-    assert engine.runner.decode_kernel is None
+    """Without the compiled decode kernel (no compiler, or the sdpa backend chosen) decodes
+    gather their blocks for SDPA: the same tokens."""
+    engine = make_engine(arch, num_kv_blocks=256, attention_backend="sdpa")
+    assert isinstance(engine.runner.attention_backend.decode, SdpaDecodeBackend)
     outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
     check_all(reference_models[arch], prompt_ids, outputs, expected[arch])
 
 
-def test_prefix_group_prefix_is_computed_once(make_engine, reference_models, prompt_ids, expected):
-    engine = make_engine("llama", num_kv_blocks=256, enable_prefix_caching=False)
+def test_prefix_group_prefix_is_computed_once(
+    make_engine, reference_models, prompt_ids, expected, attention_backend
+):
+    engine = make_engine(
+        "llama",
+        num_kv_blocks=256,
+        enable_prefix_caching=False,
+        attention_backend=attention_backend,
+    )
     groups = prefix_groups_for(prompt_ids)
     computed = []
     original = engine.scheduler.update_after_step
@@ -100,17 +120,29 @@ def test_prefix_group_prefix_is_computed_once(make_engine, reference_models, pro
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["no-groups", "groups"])
-def test_preemption_keeps_outputs(make_engine, reference_models, prompt_ids, expected, grouped):
+def test_preemption_keeps_outputs(
+    make_engine, reference_models, prompt_ids, expected, grouped, attention_backend
+):
     # 60 blocks of 4 tokens: the longest prompt fits, all of them together do not.
-    engine = make_engine("qwen2", num_kv_blocks=60, block_size=4, max_num_batched_tokens=96)
+    engine = make_engine(
+        "qwen2",
+        num_kv_blocks=60,
+        block_size=4,
+        max_num_batched_tokens=96,
+        attention_backend=attention_backend,
+    )
     groups = prefix_groups_for(prompt_ids) if grouped else None
     outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS), groups)
     assert engine.scheduler.num_preemptions > 0
     check_all(reference_models["qwen2"], prompt_ids, outputs, expected["qwen2"])
 
 
-def test_requests_arriving_between_steps(make_engine, reference_models, prompt_ids, expected):
-    engine = make_engine("mistral", num_kv_blocks=256, chunk_size=16)
+def test_requests_arriving_between_steps(
+    make_engine, reference_models, prompt_ids, expected, attention_backend
+):
+    engine = make_engine(
+        "mistral", num_kv_blocks=256, chunk_size=16, attention_backend=attention_backend
+    )
     params = SamplingParams(max_tokens=MAX_TOKENS)
     finished = {}
     ids: dict[str, int] = {}
@@ -137,9 +169,11 @@ def test_requests_arriving_between_steps(make_engine, reference_models, prompt_i
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("chunk_size", [7, None])
 def test_packed_prefill_kv_equals_solo_kv(
-    make_engine, reference_models, prompt_ids, arch, chunk_size
+    make_engine, reference_models, prompt_ids, arch, chunk_size, attention_backend
 ):
-    engine = make_engine(arch, num_kv_blocks=256, chunk_size=chunk_size)
+    engine = make_engine(
+        arch, num_kv_blocks=256, chunk_size=chunk_size, attention_backend=attention_backend
+    )
     chosen = [prompt_ids[0], prompt_ids[5], prompt_ids[7], prompt_ids[8]]
     params = SamplingParams(max_tokens=50, ignore_eos=True)
     rids = [engine.add_request(ids, params) for ids in chosen]
@@ -159,11 +193,13 @@ def test_packed_prefill_kv_equals_solo_kv(
             torch.testing.assert_close(v, solo.layers[layer].values[0], atol=1e-5, rtol=0)
 
 
-def test_many_concurrent_decodes_span_several_attention_chunks(make_engine, reference_models):
+def test_many_concurrent_decodes_span_several_attention_chunks(
+    make_engine, reference_models, attention_backend
+):
     from actors.attention import DECODE_CHUNK
 
     texts = sample_prompts(3 * DECODE_CHUNK, start=30)
-    engine = make_engine("llama", num_kv_blocks=512)
+    engine = make_engine("llama", num_kv_blocks=512, attention_backend=attention_backend)
     prompts = [engine.tokenizer.encode(t, add_special_tokens=False)[:40] for t in texts]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=6))
     with torch_threads(1):

@@ -7,14 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from actors import kernels
-from actors.attention import build_metadata, paged_attention
-from packing.layout import slot_mapping
+from actors.attention import HybridBackend, make_backend
+from actors.attention.kernel import KernelDecodeBackend
+from actors.attention.sdpa import SdpaDecodeBackend
+from tests.actors.attention_step import attend, make_step
 from tests.actors.reference import torch_threads
 
 
@@ -77,43 +78,19 @@ def test_kernel_equals_sdpa(kernel, heads, kv_heads, dim, block_size, threads) -
 
 
 def test_paged_attention_decodes_equal_with_and_without_kernel(kernel) -> None:
-    """Through the attention function: two decodes and a fresh prefill in one step."""
-    layers, blocks, block_size, kv_heads, dim, heads = 2, 12, 4, 2, 8, 6
-    gen = torch.Generator().manual_seed(3)
-    caches = [
-        tuple(torch.randn(blocks, block_size, kv_heads, dim, generator=gen) for _ in "kv")
-        for _ in range(layers)
-    ]
-    num_cached, num_new = np.array([5, 9, 0]), np.array([1, 1, 3])
-    tables = [[0, 1], [2, 3, 4], [5]]
-    slots = slot_mapping(num_cached, num_new, tables, block_size)
-    cu_q = np.array([0, 1, 2, 5])
-    q = torch.randn(1, heads, 5, dim, generator=gen)
-    k = torch.randn(1, kv_heads, 5, dim, generator=gen)
-    v = torch.randn(1, kv_heads, 5, dim, generator=gen)
-
-    class Layer(torch.nn.Module):
-        layer_idx = 1
-
+    """Through the attention function: three decodes, an extend and a fresh prefill in one
+    step, decodes by the kernel and by gathered SDPA."""
+    step = make_step(heads=6, kv_heads=2, dim=8, seed=3)
     outs = []
-    for decode_kernel in (kernel, None):
-        copies = [(kc.clone(), vc.clone()) for kc, vc in caches]
-        meta = build_metadata(
-            copies,
-            num_cached,
-            num_new,
-            tables,
-            slots,
-            cu_q,
-            block_size,
-            2,
-            torch.device("cpu"),
-            decode_kernel=decode_kernel,
-        )
-        assert (meta.decode_batch is not None) == (decode_kernel is not None)
-        assert len(meta.decodes) == (0 if decode_kernel else 1)
-        out, _ = paged_attention(Layer(), q, k, v, None, raypack_attention=meta)
-        outs.append(out)
+    for name, decode_type in (("cpu_kernel", KernelDecodeBackend), ("sdpa", SdpaDecodeBackend)):
+
+        def build(caches, name=name, decode_type=decode_type):
+            backend = make_backend(name, caches)
+            assert isinstance(backend, HybridBackend)
+            assert isinstance(backend.decode, decode_type)
+            return backend
+
+        outs.append(attend(build, step))
     torch.testing.assert_close(outs[0], outs[1])
 
 

@@ -73,9 +73,14 @@ def check_all(reference_models, prompt_ids, outputs, expected) -> None:
 
 @pytest.mark.parametrize("chunk_size", [7, None])
 def test_nested_greedy_matches_hf_generate(
-    make_engine, reference_models, prompt_ids, forest, expected, chunk_size
+    make_engine, reference_models, prompt_ids, forest, expected, chunk_size, attention_backend
 ) -> None:
-    engine = make_engine(num_kv_blocks=256, chunk_size=chunk_size, enable_prefix_caching=False)
+    engine = make_engine(
+        num_kv_blocks=256,
+        chunk_size=chunk_size,
+        enable_prefix_caching=False,
+        attention_backend=attention_backend,
+    )
     outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS), forest)
     check_all(reference_models, prompt_ids, outputs, expected)
     for row, out in enumerate(outputs):
@@ -84,9 +89,11 @@ def test_nested_greedy_matches_hf_generate(
 
 
 def test_each_distinct_prefix_is_computed_once(
-    make_engine, reference_models, prompt_ids, forest, expected
+    make_engine, reference_models, prompt_ids, forest, expected, attention_backend
 ) -> None:
-    engine = make_engine(num_kv_blocks=256, enable_prefix_caching=False)
+    engine = make_engine(
+        num_kv_blocks=256, enable_prefix_caching=False, attention_backend=attention_backend
+    )
     computed = []
     original = engine.scheduler.update_after_step
 
@@ -111,11 +118,16 @@ def test_each_distinct_prefix_is_computed_once(
 
 
 def test_nested_groups_survive_preemption(
-    make_engine, reference_models, prompt_ids, forest, expected
+    make_engine, reference_models, prompt_ids, forest, expected, attention_backend
 ) -> None:
     # 40 blocks of 4 tokens: the longest prompt fits, all of them together do not.
     assert max(len(p) for p in prompt_ids) + MAX_TOKENS < 40 * 4 < sum(map(len, prompt_ids))
-    engine = make_engine(num_kv_blocks=40, block_size=4, max_num_batched_tokens=96)
+    engine = make_engine(
+        num_kv_blocks=40,
+        block_size=4,
+        max_num_batched_tokens=96,
+        attention_backend=attention_backend,
+    )
     outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS), forest)
     assert engine.scheduler.num_preemptions > 0
     check_all(reference_models, prompt_ids, outputs, expected)

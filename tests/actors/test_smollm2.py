@@ -57,10 +57,14 @@ def test_smollm2_greedy_matches_hf_generate(
             assert out.num_cached_tokens >= common_prefix_len(prompt_ids)
 
 
-def test_smollm2_preemption_keeps_outputs(tokenizer, reference, prompt_ids, expected) -> None:
+def test_smollm2_preemption_keeps_outputs(
+    tokenizer, reference, prompt_ids, expected, attention_backend
+) -> None:
+    """Also over every attention backend (the greedy test above runs "auto" only, to keep
+    the suite's time: each case loads and runs the 135M model)."""
     longest = max(len(ids) for ids in prompt_ids) + MAX_TOKENS
     engine = LLMEngine(
-        EngineConfig(num_kv_blocks=2 * longest // 16 + 2),
+        EngineConfig(num_kv_blocks=2 * longest // 16 + 2, attention_backend=attention_backend),
         model=load_model("smollm2"),
         tokenizer=tokenizer,
     )

@@ -1,0 +1,105 @@
+"""The attention-backend seam (`actors.attention`): every backend against each request
+attended alone, and the choice of backend from the config, device and dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors import EngineConfig
+from actors.attention import (
+    HybridBackend,
+    available_backends,
+    make_backend,
+    resolve_backend,
+)
+from actors.attention.kernel import KernelDecodeBackend
+from actors.attention.sdpa import SdpaDecodeBackend, SdpaPrefillBackend
+from actors.attention.varlen import VarlenBackend
+from actors.config import ATTENTION_BACKENDS
+from tests.actors.attention_step import attend, make_step, reference, reference_varlen
+
+NAMED = [name for name in ATTENTION_BACKENDS if name != "auto"]
+
+
+@pytest.mark.parametrize("name", NAMED)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 64), (3, 3, 16), (4, 1, 8)])
+def test_every_backend_matches_each_request_alone(name, heads, kv_heads, dim, monkeypatch):
+    """Decodes, a cached extend and a fresh prompt in one step, through `paged_attention`."""
+    step = make_step(heads, kv_heads, dim, seed=heads + dim)
+    if name in available_backends("cpu", torch.float32):
+        out = attend(lambda caches: make_backend(name, caches), step)
+    elif name == "varlen":  # CUDA only: check its inputs with a plain-torch stand-in
+        from torch.nn.attention import varlen
+
+        monkeypatch.setattr(varlen, "varlen_attn", reference_varlen)
+        out = attend(VarlenBackend, step)
+    else:
+        pytest.skip(f"{name} cannot run on this machine")
+    torch.testing.assert_close(out, reference(step))
+
+
+def test_sdpa_per_request_alone_attends_a_whole_step() -> None:
+    """The prefill backend takes decodes too (a segment of one row)."""
+    step = make_step()
+    torch.testing.assert_close(attend(SdpaPrefillBackend, step), reference(step))
+
+
+def test_sdpa_backend_runs_in_bfloat16() -> None:
+    step = make_step()
+    out = attend(lambda caches: make_backend("sdpa", caches), step, dtype=torch.bfloat16)
+    torch.testing.assert_close(out, reference(step), atol=3e-2, rtol=3e-2)
+
+
+def test_auto_picks_from_device_and_dtype() -> None:
+    assert resolve_backend("auto", "cpu", torch.float32) == "cpu_kernel"  # a compiler here
+    assert resolve_backend("auto", "cpu", torch.bfloat16) == "sdpa"
+    assert resolve_backend("auto", "cuda", torch.bfloat16) == "varlen"
+    assert resolve_backend("auto", "cuda", torch.float32) == "sdpa"  # flash has no fp32
+    assert available_backends("cpu", torch.float32) == ["cpu_kernel", "sdpa"]
+    assert available_backends("cuda", torch.float16) == ["sdpa", "varlen"]
+
+
+def test_backends_are_built_from_their_parts() -> None:
+    caches = [(torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8))]
+    kernel = make_backend("cpu_kernel", caches)
+    sdpa = make_backend("sdpa", caches)
+    assert isinstance(kernel, HybridBackend) and isinstance(sdpa, HybridBackend)
+    assert isinstance(kernel.decode, KernelDecodeBackend)
+    assert isinstance(sdpa.decode, SdpaDecodeBackend)
+    assert isinstance(kernel.prefill, SdpaPrefillBackend)
+    auto = make_backend("auto", caches)
+    assert isinstance(auto, HybridBackend) and isinstance(auto.decode, KernelDecodeBackend)
+
+
+@pytest.mark.parametrize(
+    ("name", "device", "dtype", "message"),
+    [
+        ("varlen", "cpu", torch.float32, "'varlen' needs CUDA in bfloat16 or float16"),
+        ("varlen", "cuda", torch.float32, "runs on cuda in float32"),
+        ("cpu_kernel", "cpu", torch.bfloat16, "'cpu_kernel' needs float32 on CPU"),
+        ("cpu_kernel", "cuda", torch.float32, "'cpu_kernel' needs float32 on CPU"),
+        ("flash", "cpu", torch.float32, "attention_backend must be one of"),
+    ],
+)
+def test_a_backend_that_cannot_run_is_refused(name, device, dtype, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_backend(name, device, dtype)
+
+
+def test_config_names_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"attention_backend must be one of .*'sdpa'"):
+        EngineConfig(attention_backend="flash")  # type: ignore[arg-type]
+
+
+def test_the_engine_refuses_varlen_on_cpu(make_engine) -> None:
+    with pytest.raises(ValueError, match="'varlen' needs CUDA"):
+        make_engine(num_kv_blocks=8, attention_backend="varlen")
+
+
+def test_the_kernel_backend_checks_the_caches_once_when_built() -> None:
+    caches = [(torch.zeros(4, 16, 2, 8, dtype=torch.bfloat16),) * 2]
+    kernel = make_backend("cpu_kernel", [(torch.zeros(4, 16, 2, 8),) * 2])
+    assert isinstance(kernel, HybridBackend)
+    with pytest.raises(ValueError, match="k_cache must be a contiguous CPU torch.float32"):
+        KernelDecodeBackend(caches, kernel.decode.kernel)
