@@ -15,6 +15,9 @@ each step's metadata once (`prepare`) and attends once per layer (`forward`):
 `select.make_backend` picks one from `EngineConfig.attention_backend` and the cache's device
 and dtype ("auto": varlen, else cpu_kernel, else sdpa). Nothing is stored in module or class
 state, so several engines can run in one process.
+
+A new way to attend decodes (say, one that reads a group's shared prefix once per step) is
+a decode backend in `HybridBackend`'s decode place, with what it needs added to `StepBatch`.
 """
 
 from actors.attention.base import (
