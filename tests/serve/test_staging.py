@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -16,13 +18,19 @@ from pipeline.serve.staging import EngineFailedError, EngineLoop, QueueFullError
 class FakeEngine:
     """Emits one token (the step number) per running request per step; records what it saw."""
 
-    def __init__(self, step_s: float = 0.002, fail_on_step: int | None = None) -> None:
+    def __init__(
+        self,
+        step_s: float = 0.002,
+        fail_on_step: int | None = None,
+        gate: threading.Event | None = None,
+    ) -> None:
         self.running: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.admitted_groups: list[list[str]] = []
         self.aborted: list[str] = []
         self.steps = 0
         self.step_s = step_s
         self.fail_on_step = fail_on_step
+        self.gate = gate  # when set, each step waits for it (the test holds the engine busy)
         self._group: list[str] = []
 
     def add_request(self, prompt, params=None, request_id=None) -> str:  # noqa: ANN001
@@ -44,6 +52,8 @@ class FakeEngine:
         self.steps += 1
         if self.fail_on_step == self.steps:
             raise RuntimeError("boom")
+        if self.gate is not None:
+            assert self.gate.wait(timeout=20), "the test never released the engine"
         time.sleep(self.step_s)
         outputs = []
         for request_id, (prompt, params, tokens) in list(self.running.items()):
@@ -66,6 +76,14 @@ class FakeEngine:
 
 def run(coro):  # noqa: ANN001, ANN201
     return asyncio.run(asyncio.wait_for(coro, timeout=20))
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Wait for a condition, polling; the timeout only guards against a hang."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
 
 
 async def collect(stream) -> list[RequestOutput]:  # noqa: ANN001
@@ -107,14 +125,22 @@ def test_fixed_window_admits_one_packed_group() -> None:
 
 
 def test_fixed_window_times_out() -> None:
+    """A window that never fills admits its requests once window_s has passed on the loop's
+    clock, not before: a test clock, so no wall-clock duration is measured."""
+
     async def main() -> None:
+        now = [100.0]
         engine = FakeEngine()
-        config = AdmissionConfig(policy="fixed", window_requests=100, window_s=0.1)
-        loop = EngineLoop(engine, config, max_waiting=8)
+        config = AdmissionConfig(policy="fixed", window_requests=100, window_s=0.05)
+        loop = EngineLoop(engine, config, max_waiting=8, clock=lambda: now[0])
         loop.start()
-        started = time.monotonic()
-        await collect(loop.submit([1], SamplingParams(max_tokens=1)))
-        assert time.monotonic() - started >= 0.1
+        done = asyncio.ensure_future(collect(loop.submit([1], SamplingParams(max_tokens=1))))
+        for _ in range(5):  # several wake-ups of the loop (its timer is real time)
+            await asyncio.sleep(0.05)
+            assert loop.num_waiting == 1 and engine.steps == 0, "admitted before the window"
+        now[0] += 0.05
+        outputs = await done
+        assert outputs[-1].finished and engine.admitted_groups == [["srv-0"]]
         await loop.stop()
 
     run(main())
@@ -143,8 +169,7 @@ def test_leaving_a_stream_aborts_in_staging_and_in_engine() -> None:
         async for out in stream:
             if len(out.token_ids) >= 2:
                 break
-        await asyncio.sleep(0.05)
-        assert engine.aborted == [stream.request_id]
+        await until(lambda: engine.aborted == [stream.request_id], "the engine abort")
         assert loop.num_running == 0 and not engine.running and loop.num_aborted == 1
 
         # a request still in the staging queue is just dropped
@@ -154,7 +179,10 @@ def test_leaving_a_stream_aborts_in_staging_and_in_engine() -> None:
         held.start()
         waiting = held.submit([1], SamplingParams())
         task = asyncio.ensure_future(collect(waiting))
-        await asyncio.sleep(0.02)
+        # One loop turn runs the new task up to its first wait (asyncio runs ready tasks in
+        # order): deterministic, no wall-clock race.
+        await asyncio.sleep(0)
+        assert held.num_waiting == 1 and not task.done()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         assert held.num_waiting == 0 and held.num_aborted == 1
@@ -193,16 +221,18 @@ def test_ttfts_feed_the_controller() -> None:
 
 def test_engine_capacity_keeps_the_rest_in_staging() -> None:
     async def main() -> None:
-        engine = FakeEngine()
+        gate = threading.Event()  # the engine's first step waits: the state below holds still
+        engine = FakeEngine(gate=gate)
         loop = EngineLoop(engine, AdmissionConfig(policy="immediate"), max_waiting=3, max_running=2)
         loop.start()
         params = SamplingParams(max_tokens=3)
         streams = [loop.submit([i], params) for i in range(3)]
-        await asyncio.sleep(0)  # one loop turn: two enter the engine, one stays in staging
-        assert (loop.num_running, loop.num_waiting) == (2, 1)
+        await until(lambda: engine.steps == 1, "the first step")
+        assert (loop.num_running, loop.num_waiting) == (2, 1)  # two in the engine, one staged
         streams += [loop.submit([i], params) for i in range(2)]
         with pytest.raises(QueueFullError):  # the staging queue is the bound, whatever the policy
             loop.submit([9], params)
+        gate.set()
         await asyncio.gather(*(collect(s) for s in streams))
         assert max(len(g) for g in engine.admitted_groups) <= 2
         await loop.stop()
