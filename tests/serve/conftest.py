@@ -2,7 +2,8 @@
 
 - `main` at /: aimd admission, small limits, used by most tests.
 - `auth` at /auth: the same, behind API keys read from a file.
-- `held` at /held: a fixed window that holds requests 2 s and a staging queue of 2 (for 429).
+- `held` at /held: a fixed window that holds requests (until its test switches the policy)
+  and a staging queue of 2 (for 429).
 
 Ray runs in a fresh temporary directory, started once per test session of this folder.
 """
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 MODEL = "tiny"
 API_KEY = "sk-test-123"
-HOLD_S = 2.0
+HOLD_S = 600.0  # never expires within a test: the 429 test releases by switching policy
 
 
 @dataclass(frozen=True)
