@@ -60,12 +60,12 @@ MUTATIONS = [
     Mutation("sampler: ignore_eos ignored when banning", "actors/sampler.py",
              "            if not params.ignore_eos:\n                banned.extend", "            if True:\n                banned.extend", SAMPLER),
     # attention
-    Mutation("attention: cached-prefix mask off by one", "actors/attention.py",
-             "mask = tensor(np.arange(cached + new)[None, :] <= rows[:, None])",
-             "mask = tensor(np.arange(cached + new)[None, :] < rows[:, None] + 2)", ENGINE),
-    Mutation("attention: decode sees one key less", "actors/attention.py",
+    Mutation("attention: cached-prefix mask off by one", "actors/attention/sdpa.py",
+             "np.arange(cached + new)[None, :] <= rows[:, None]",
+             "np.arange(cached + new)[None, :] < rows[:, None] + 2", ENGINE),
+    Mutation("attention: decode sees one key less", "actors/attention/sdpa.py",
              "key_mask = keys[None, :] < seq_lens[:, None]", "key_mask = keys[None, :] < seq_lens[:, None] - 1", ENGINE),
-    Mutation("attention: fresh prefill not causal", "actors/attention.py",
+    Mutation("attention: fresh prefill not causal", "actors/attention/sdpa.py",
              "is_causal=seg.key_slots is None and seg.q_end - seg.q_start > 1,", "is_causal=False,", ENGINE),
     # KV copy and prefix sharing
     Mutation("kv: partial prefix block not copied", "actors/model_runner.py",
@@ -142,7 +142,7 @@ def main() -> int:
         results = []
         for m in chosen:
             target = copy / m.path
-            original = target.read_text()
+            original = target.read_text() if target.is_file() else ""
             if original.count(m.old) != 1:
                 results.append((m, "stale"))
             else:
