@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	rm -rf out/snippets
-	$(PY) jobs/snippets.py --input jobs/data/snippets_sample.jsonl --output out/snippets --keep-columns doc_id,query
+	$(VENV)/bin/raypack snippets --input jobs/data/snippets_sample.jsonl --output out/snippets --keep-columns doc_id,query
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

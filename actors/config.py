@@ -31,8 +31,9 @@ class EngineConfig:
     chunk_size: int | None = None  # prefill tokens per request per step; None: budget-limited
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
-    # 2 GiB holds ~46K tokens of SmolLM2-135M: 256 running sequences of ~180 tokens.
-    kv_cache_memory_gb: float = 2.0
+    # 1 GiB holds ~23K tokens of SmolLM2-135M in float32 (128 running sequences of ~180
+    # tokens); the job and the server take this default too (pipeline/engine_flags.py).
+    kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True  # share identical leading full blocks by block hash
     # "cpu_kernel": decodes by the compiled paged kernel (CPU float32); "sdpa": decodes'
     # blocks gathered for torch SDPA (any device; slower on CPU, the same tokens); "varlen":

@@ -1,69 +1,22 @@
-"""The search-engine snippet task (BatchLLM's workload): for each (document, query) row, quote
-the short passage of the document that answers the query. Rows that share a document share a
-prompt prefix, so the planner computes each document once per prefix group.
+"""The search-engine snippet job: the script `ray job submit` runs, the same code as
+`raypack snippets` (pipeline/commands/snippets.py).
 
     python jobs/snippets.py --input jobs/data/snippets_sample.jsonl --output out/snippets
     RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python jobs/snippets.py --input jobs/data/snippets_sample.jsonl --output /tmp/snippets
-
-Output column `snippet` (plus the usual result columns; see README "The offline job").
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# From a checkout without `pip install .` (e.g. `ray job submit --working-dir .`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.cli import add_engine_args, add_io_args, job_config, run  # noqa: E402
-from pipeline.config import JobConfig, PromptConfig  # noqa: E402
+from pipeline.commands.snippets import build_config, build_parser, main  # noqa: E402
 
-SYSTEM_PROMPT = (
-    "You write search result snippets. Given a document and a search query, reply with the "
-    "shortest passage of the document, one or two sentences copied from it, that answers the "
-    "query. Reply with the passage only."
-)
-
-
-def snippet_prompt(document_column: str, query_column: str) -> PromptConfig:
-    """The chat-templated prompt: the document first (the shared prefix), then the query."""
-    for name in (document_column, query_column):
-        if not name.isidentifier():
-            raise ValueError(f"column names must be identifiers for the template, got {name!r}")
-    template = f"Document:\n{{{document_column}}}\n\nQuery: {{{query_column}}}\n\nSnippet:"
-    return PromptConfig(template=template, chat=True, system_prompt=SYSTEM_PROMPT)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The snippet job's flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_io_args(parser)
-    parser.add_argument("--document-column", default="document")
-    parser.add_argument("--query-column", default="query")
-    parser.add_argument(
-        "--output-column", default="snippet", help="name of the generated snippet column"
-    )
-    add_engine_args(parser)
-    # A snippet is a sentence or two: a blank line ends it (small models repeat themselves).
-    parser.set_defaults(max_tokens=48, stop=["\n\n"])
-    return parser
-
-
-def build_config(args: argparse.Namespace) -> JobConfig:
-    """The JobConfig of the parsed flags (ValueError on a bad combination)."""
-    keep = args.keep_columns or (args.query_column,)
-    args = argparse.Namespace(**{**vars(args), "keep_columns": keep})
-    prompt = snippet_prompt(args.document_column, args.query_column)
-    return job_config(args, prompt, text_column=args.output_column)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the job; the exit status."""
-    args = build_parser().parse_args(argv)
-    return run(lambda: build_config(args), args.num_cpus, args.json)
-
+__all__ = ["build_config", "build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,9 @@
-"""Command-line pieces shared by jobs/generate.py and jobs/snippets.py: flags -> JobConfig,
-Ray connection, and the run with a readable failure for bad input."""
+"""Command-line pieces shared by `raypack generate` and `raypack snippets`: flags -> JobConfig,
+Ray connection, and the run with a readable failure for bad input.
+
+Every flag's default is read from the dataclass it sets (`SamplingParams`, `PlanConfig`,
+`ComputeConfig`, `EngineConfig` via pipeline/engine_flags.py), so a default lives in one place
+and `--help` shows it."""
 
 from __future__ import annotations
 
@@ -18,6 +22,23 @@ from pipeline.engine_flags import add_engine_flags, engine_config_from_args
 logger = logging.getLogger(__name__)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each option's default ("none" for an unset one), except for switches and
+    required options, or where the help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            action.required
+            or not action.option_strings
+            or action.nargs == 0  # a switch (store_true) or --help
+            or "default" in text
+        ):
+            return text
+        shown = "none" if action.default is None else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
 def add_io_args(parser: argparse.ArgumentParser) -> None:
     """--input, --output and the input's shape."""
     g = parser.add_argument_group("input and output")
@@ -30,9 +51,9 @@ def add_io_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--input-format",
         choices=["parquet", "jsonl", "csv", "hf"],
-        help="default: from the file names",
+        help="the input's format (default: from the file names)",
     )
-    g.add_argument("--hf-split", help="split of a saved DatasetDict")
+    g.add_argument("--hf-split", help="split of a saved DatasetDict (default: the only one)")
     g.add_argument(
         "--id-column", help="the rows' id column (default: 'id' if present, else a hash of the row)"
     )
@@ -48,23 +69,35 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Model, engine, default sampling, plan and compute flags."""
     add_engine_flags(parser)
 
+    d = SamplingParams()
     s = parser.add_argument_group("sampling (defaults; per-row columns override them)")
-    s.add_argument("--max-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--seed", type=int)
+    s.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens to generate")
+    s.add_argument("--temperature", type=float, default=d.temperature, help="0 is greedy (argmax)")
+    s.add_argument("--top-k", type=int, default=d.top_k, help="0 or -1: no top-k filter")
+    s.add_argument("--top-p", type=float, default=d.top_p, help="1: no nucleus filter")
+    s.add_argument("--seed", type=int, help="sampling seed (default: none, not reproducible)")
     s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
 
+    plan, compute = PlanConfig(), ComputeConfig()
     p = parser.add_argument_group("plan")
     p.add_argument(
         "--no-prefix-grouping",
         action="store_true",
         help="no shuffle by prefix, no groups (for comparison)",
     )
-    p.add_argument("--max-rows-per-shard", type=int, default=256)
-    p.add_argument("--max-tokens-per-shard", type=int, default=65536)
+    p.add_argument(
+        "--max-rows-per-shard",
+        type=int,
+        default=plan.max_rows_per_shard,
+        help="rows an engine actor takes at once (a prefix group larger than this is split)",
+    )
+    p.add_argument(
+        "--max-tokens-per-shard",
+        type=int,
+        default=plan.max_tokens_per_shard,
+        help="prompt tokens an engine actor takes at once",
+    )
     p.add_argument(
         "--num-partitions", type=int, help="shuffle partitions (default: from the input size)"
     )
@@ -76,17 +109,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefix-key-tokens",
         type=int,
-        default=64,
+        default=plan.key_block_size,
         help="leading tokens hashed into the shuffle key: rows sharing fewer are not grouped; "
         "fewer tokens group more, but rows with a common opening all meet in one partition",
     )
 
     c = parser.add_argument_group("compute")
-    c.add_argument("--num-actors", type=int, default=1, help="engine actors")
+    c.add_argument("--num-actors", type=int, default=compute.num_actors, help="engine actors")
     c.add_argument(
         "--num-gpus-per-actor", type=float, help="default: 1 when the cluster has GPUs, else 0"
     )
-    c.add_argument("--num-cpus-per-actor", type=float, default=0.5)
+    c.add_argument(
+        "--num-cpus-per-actor",
+        type=float,
+        default=compute.num_cpus_per_actor,
+        help="CPUs Ray reserves per engine actor (on CPU machines)",
+    )
     c.add_argument(
         "--actor-resource",
         action="append",
@@ -102,13 +140,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--engine-retries",
         type=int,
-        default=1,
+        default=compute.engine_retries,
         help="fresh tp/pp engines per shard after a worker dies mid-step (then the job fails)",
     )
     c.add_argument(
         "--placement-timeout-s",
         type=float,
-        default=600.0,
+        default=compute.placement_timeout_s,
         help="how long to wait for the tp x pp engines' placement groups",
     )
     c.add_argument(
@@ -117,14 +155,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="an autoscaling cluster: wait for nodes instead of failing when the nodes up now "
         "cannot hold the engine actors",
     )
-    c.add_argument("--torch-threads", type=int, help="torch threads per engine actor")
-    c.add_argument("--num-tokenize-actors", type=int, default=1)
-    c.add_argument("--num-cpus", type=int, help="CPUs of a local Ray started by this script")
+    c.add_argument(
+        "--torch-threads", type=int, help="torch threads per engine actor (default: torch's)"
+    )
+    c.add_argument(
+        "--num-tokenize-actors",
+        type=int,
+        default=compute.num_tokenize_actors,
+        help="tokenizer actors (CPU)",
+    )
+    c.add_argument(
+        "--num-cpus", type=int, help="CPUs of a local Ray started by this command (default: all)"
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def job_config(
-    args: argparse.Namespace, prompt: PromptConfig, text_column: str = "generated_text"
+    args: argparse.Namespace, prompt: PromptConfig, text_column: str = JobConfig.text_column
 ) -> JobConfig:
     """The JobConfig the flags describe (ValueError on a bad combination)."""
     return JobConfig(

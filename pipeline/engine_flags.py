@@ -6,8 +6,7 @@
     group.add_argument("--served-model-name")   # a caller's own engine-side flags, if any
     engine = engine_config_from_args(parser.parse_args())
 
-Defaults come from `EngineConfig`, except the KV pool (1 GiB: the CLIs' long-standing default,
-enough for the embedded 135M model); a caller can pass its own defaults.
+Defaults come from `EngineConfig`, so the library, the job and the server share them.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ import argparse
 from typing import Any, get_args
 
 from actors.config import EngineConfig, PlacementStrategy
-
-DEFAULT_KV_CACHE_MEMORY_GB = 1.0
 
 # The EngineConfig fields a flag sets, by argparse dest (the flag is --dest-with-dashes).
 _FIELDS = (
@@ -38,8 +35,6 @@ _FIELDS = (
 def add_engine_flags(
     parser: argparse.ArgumentParser,
     title: str = "model and engine",
-    *,
-    kv_cache_memory_gb: float = DEFAULT_KV_CACHE_MEMORY_GB,
 ) -> argparse._ArgumentGroup:
     """Add the model, engine and parallelism flags as one group; return the group so a
     caller can add its own engine-side flags beside them."""
@@ -51,7 +46,7 @@ def add_engine_flags(
     g.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
-        help="default: float32 on CPU, bfloat16 on GPU",
+        help="weights' and KV cache's type (default: float32 on CPU, bfloat16 on GPU)",
     )
     g.add_argument("--max-model-len", type=int, help="context length cap (default: the model's)")
     g.add_argument(
@@ -71,7 +66,7 @@ def add_engine_flags(
     g.add_argument(
         "--kv-cache-memory-gb",
         type=float,
-        default=kv_cache_memory_gb,
+        default=d.kv_cache_memory_gb,
         help="KV cache size per engine (split across its pipeline stages)",
     )
     g.add_argument(

@@ -13,7 +13,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Model, engine and parallelism flags (pipeline/engine_flags.py, shared with the offline
     job), plus the name clients pass as `model`."""
     group = add_engine_flags(parser)
-    group.add_argument("--served-model-name", default=None, help="name clients pass as `model`")
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="name clients pass as `model` (default: the model folder's name)",
+    )
 
 
 def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +57,12 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("limits")
     group.add_argument("--max-waiting", type=int, default=d.max_waiting, help="staging capacity")
     group.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="body limit")
-    group.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt token limit")
+    group.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="prompt token limit (default: the context length minus one)",
+    )
     group.add_argument(
         "--max-tokens-limit", type=int, default=d.max_tokens_limit, help="max_tokens limit"
     )

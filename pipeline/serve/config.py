@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors import EngineConfig
+from actors import EngineConfig, SamplingParams
 from packing.admission import AdmissionConfig
 
 API_KEYS_ENV = "RAYPACK_API_KEYS"
@@ -29,8 +29,8 @@ class ServeConfig:
     max_prompt_tokens: int | None = None
     # Upper bound on a request's max_tokens.
     max_tokens_limit: int = 2048
-    # max_tokens of a completion that does not say (OpenAI's default is 16).
-    default_completion_tokens: int = 16
+    # max_tokens of a completion that does not say: the engine's default (16, OpenAI's too).
+    default_completion_tokens: int = SamplingParams.max_tokens
     # Environment variable holding API keys (comma-separated); unset or empty: no key needed
     # unless api_keys_file is set.
     api_keys_env: str | None = API_KEYS_ENV

@@ -16,8 +16,9 @@ def _parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_defaults_are_the_engine_config_defaults_but_a_1_gib_kv_pool() -> None:
+def test_defaults_are_the_engine_config_defaults() -> None:
     assert engine_config_from_args(_parse()) == EngineConfig(kv_cache_memory_gb=1.0)
+    assert engine_config_from_args(_parse()) == EngineConfig()  # one default, in EngineConfig
 
 
 def test_parallel_and_engine_flags() -> None:

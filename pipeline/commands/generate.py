@@ -1,0 +1,78 @@
+"""Generate for every row of a prompt table: Parquet (or JSONL, CSV, a saved HF dataset) in,
+Parquet out, resumable.
+
+    raypack generate --input prompts.parquet --output out/gen --prompt-column prompt
+    raypack generate --input chats.jsonl --output out/chat --messages-column messages
+    raypack generate --input docs.csv --output out/sum --template "Summarise: {text}" --chat
+
+Starts a local Ray, or joins the cluster at RAY_ADDRESS (as under `ray job submit`, which
+runs the same code as `python jobs/generate.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeline.cli import HelpFormatter, add_engine_args, add_io_args, job_config, run
+from pipeline.config import JobConfig, PromptConfig
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The generic job's flags."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
+    add_io_args(parser)
+    prompt = parser.add_argument_group("prompt (exactly one of the first three)")
+    source = prompt.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt-column", help="column holding the prompt text")
+    source.add_argument(
+        "--template", help="str.format template over columns, e.g. '{title}: {body}'"
+    )
+    source.add_argument(
+        "--messages-column", help="column of chat messages (list of {role, content}, or JSON)"
+    )
+    prompt.add_argument(
+        "--chat",
+        action="store_true",
+        help="render the text as a user message with the chat template",
+    )
+    prompt.add_argument("--system-prompt", help="system message when --chat is used")
+    prompt.add_argument(
+        "--sampling-column", help="column of per-row sampling parameters (dict or JSON)"
+    )
+    prompt.add_argument(
+        "--override-columns",
+        help="comma-separated sampling override columns (default: the columns named like "
+        "sampling fields)",
+    )
+    prompt.add_argument(
+        "--text-column",
+        default=JobConfig.text_column,
+        help="name of the generated text column",
+    )
+    add_engine_args(parser)
+    return parser
+
+
+def build_config(args: argparse.Namespace) -> JobConfig:
+    """The JobConfig of the parsed flags (ValueError on a bad combination)."""
+    overrides = None
+    if args.override_columns is not None:
+        overrides = tuple(c.strip() for c in args.override_columns.split(",") if c.strip())
+    prompt = PromptConfig(
+        prompt_column=args.prompt_column,
+        template=args.template,
+        messages_column=args.messages_column,
+        chat=args.chat,
+        system_prompt=args.system_prompt,
+        sampling_column=args.sampling_column,
+        override_columns=overrides,
+    )
+    return job_config(args, prompt, text_column=args.text_column)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Run the job; the exit status."""
+    args = build_parser(prog).parse_args(argv)
+    return run(lambda: build_config(args), args.num_cpus, args.json)

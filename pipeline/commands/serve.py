@@ -1,0 +1,90 @@
+"""Serve the engine online: an OpenAI-compatible API on Ray Serve, with admission control.
+
+    raypack serve --host 127.0.0.1 --port 8000 --model smollm2 --policy aimd
+    raypack serve --model /models/llama-8b --tensor-parallel-size 2   # tp x pp engine
+
+Starts a local Ray instance (or joins --address), serves until Ctrl-C. `--port 0` picks a free
+port and logs it. With tp x pp > 1 the replica reserves its engine's workers in its own
+placement group (pipeline/serve/app.py). See README "Online serving" for curl and
+openai-client examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import threading
+
+from pipeline.cli import HelpFormatter
+from pipeline.serve.cli import (
+    add_admission_arguments,
+    add_engine_arguments,
+    add_limit_arguments,
+    serve_config_from_args,
+)
+
+logger = logging.getLogger("raypack.serve")
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The serving flags."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=0, help="HTTP port; 0 picks a free one")
+    parser.add_argument("--address", default=None, help="Ray cluster to join; default: local")
+    parser.add_argument(
+        "--ray-num-cpus", type=int, default=None, help="CPUs of a local Ray (default: all)"
+    )
+    add_engine_arguments(parser)
+    add_admission_arguments(parser)
+    add_limit_arguments(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    """The command line."""
+    return build_parser(prog).parse_args(argv)
+
+
+def free_port(host: str) -> int:
+    """A TCP port on `host` that is free now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Start Ray and Serve, deploy the app, block until interrupted."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = parse_args(argv, prog)
+    try:
+        config = serve_config_from_args(args)
+    except ValueError as exc:
+        logger.error("bad option: %s", exc)
+        return 2
+    import ray
+    from ray import serve
+
+    from pipeline.serve.app import build_app
+
+    port = args.port or free_port(args.host)
+    ray.init(address=args.address, num_cpus=args.ray_num_cpus, include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": port})
+    serve.run(build_app(config), name="raypack", route_prefix="/")
+    logger.info(
+        "serving %s at http://%s:%d/v1 (policy %s); Ctrl-C stops",
+        config.model_name, args.host, port, config.admission.policy,
+    )  # fmt: skip
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        logger.info("stopping")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
