@@ -1,8 +1,8 @@
 """LLMEngine: add requests, step (schedule, run, postprocess), read outputs.
 
 `generate` is the offline entry point (a list of prompts in, finished outputs in input order
-out, optionally with the planner's prefix groups); `add_request` / `step` / `abort_request`
-serve streaming callers.
+out, optionally with the planner's prefix groups); `add_prompts` queues such a list without
+running it (a caller steps); `add_request` / `step` / `abort_request` serve streaming callers.
 """
 
 from __future__ import annotations
@@ -182,13 +182,15 @@ class LLMEngine:
             finish(reqs, reason)
             outputs.extend(self._retire(req) for req in reqs)
 
-    def generate(
+    def add_prompts(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         prefix_groups: Sequence[PrefixGroup] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt to completion; outputs in input order.
+    ) -> list[str]:
+        """Queue every prompt (with the planner's prefix groups) without running them; returns
+        their request ids in input order. `step` runs them, alongside any other requests: a
+        caller can queue the next batch while this one decodes (the offline job does).
 
         `prefix_groups` (from the planner) name prompts that share their first `prefix_len`
         tokens: the prefix is computed once and its KV blocks shared by the members. Groups
@@ -212,7 +214,7 @@ class LLMEngine:
             runnable=lambda ids: self._check_prompt(ids) is None,
             new_id=lambda: self._new_id("prefix"),
         )
-        ids: list[str | None] = [None] * len(prompts)
+        ids = [""] * len(prompts)
         queued: set[int] = set()
         for index in planned_order(len(prompts), prefix_groups or ()):
             chain = []  # the prompt's groups not queued yet, innermost first
@@ -223,15 +225,25 @@ class LLMEngine:
             for group in reversed(chain):  # a shared prefix runs before its members
                 self.scheduler.add(group.prefix)
                 queued.add(id(group))
-            req = self._add(token_ids[index], per_prompt[index], None, group)
-            ids[index] = req.request_id
+            ids[index] = self._add(token_ids[index], per_prompt[index], None, group).request_id
+        return ids
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prefix_groups: Sequence[PrefixGroup] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt to completion (`add_prompts`, then `step` until they
+        finish); outputs in input order."""
+        ids = self.add_prompts(prompts, params, prefix_groups)
         results: dict[str, RequestOutput] = {}
         wanted = set(ids)
         while self.has_unfinished() and len(results) < len(wanted):
             for out in self.step():
                 if out.finished and out.request_id in wanted:
                     results[out.request_id] = out
-        return [results[i] for i in ids if i is not None]
+        return [results[i] for i in ids]
 
     # ---- internals ------------------------------------------------------------------------
 

@@ -1,16 +1,21 @@
 """The engine actor stage: whole shard rows in, one output row per member out.
 
-Each actor loads its engine once and keeps it across shards. A shard's prefix groups (nested when
-the plan made them so) go to `engine.generate` as `packing.PrefixGroup`s over the shard's
-prompts, so each shared prefix is computed once. Rows that arrive with an error skip the engine and come out as they are.
+Each actor loads its engine once and keeps it across shards. The actor runs several shard
+tasks at once (`max_concurrent_calls_per_actor` in pipeline/job.py); each hands its shard to
+one `pipeline.feed.EngineFeed`, whose thread steps the engine and queues a new shard's
+prompts between two steps, so the running batch stays full across shard boundaries. A shard's
+prefix groups (nested when the plan made them so) go to `engine.add_prompts` as
+`packing.PrefixGroup`s over the shard's prompts, so each shared prefix is computed once. Rows
+that arrive with an error skip the engine and come out as they are.
 
-If the actor process dies mid-shard, Ray restarts it (`max_restarts`) and runs the shard again
-(`max_task_retries`); nothing of a shard is written until the whole shard is done, so a redo
-cannot duplicate rows. A tensor/pipeline-parallel engine whose worker dies mid-step raises
-`WorkerFailedError` (and tears its workers down): the actor builds a fresh engine (new workers,
-in the same placement group) and redoes the shard, up to `engine_retries` times; past that the
-error fails the job, with the cause, rather than losing the shard. Any other exception from
-the engine ends that shard's rows with `error` set rather than failing the job.
+If the actor process dies mid-shard, Ray restarts it (`max_restarts`) and runs its shards
+again (`max_task_retries`); nothing of a shard is returned (so written) until its last row is
+done, so a redo cannot duplicate rows. A tensor/pipeline-parallel engine whose worker dies
+mid-step raises `WorkerFailedError` (and tears its workers down): the feed builds a fresh
+engine (new workers, in the same placement group) and redoes the shards that were in it, up
+to `engine_retries` times each; past that the error fails the job, with the cause, rather
+than losing the shard. Any other exception from the engine ends the rows of the shards in it
+with `error` set rather than failing the job.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from actors.config import EngineConfig, SamplingParams
 from actors.outputs import RequestOutput
 from actors.parallel.executor import WorkerFailedError
 from pipeline import stage
+from pipeline.feed import EngineFeed
 from pipeline.logs import setup_worker_logging
 from pipeline.prompts import merge_sampling
 from pipeline.stage import Stage
@@ -56,11 +62,21 @@ class InferStage(Stage):
 
             torch.set_num_threads(torch_threads)
         self.engine_config = engine_config
-        self.engine = engine if engine is not None else self._new_engine()
-        self.engine_retries = engine_retries
         self.sampling = sampling
         self.text_column = text_column
         self.keep_columns = tuple(keep_columns)
+        self.feed = EngineFeed(
+            engine if engine is not None else self._new_engine(),
+            self._new_engine,
+            _close_engine,
+            engine_retries=engine_retries,
+            torch_threads=torch_threads,
+        )
+
+    @property
+    def engine(self):  # noqa: ANN201 (actors.LLMEngine)
+        """The engine now in use (a worker failure replaces it)."""
+        return self.feed.engine
 
     def _new_engine(self):  # noqa: ANN202 (actors.LLMEngine)
         import torch
@@ -78,32 +94,11 @@ class InferStage(Stage):
         return engine
 
     def _generate(self, shard_id: str, prompts: list, params: list, groups: list) -> list:
-        """`engine.generate`, redone on a fresh engine after a tp/pp worker failure."""
-        for attempt in range(self.engine_retries + 1):
-            try:
-                return self.engine.generate(prompts, params, groups)
-            except WorkerFailedError as exc:
-                if attempt == self.engine_retries:
-                    raise WorkerFailedError(
-                        f"shard {shard_id}: the parallel engine failed {attempt + 1} times "
-                        f"(engine_retries={self.engine_retries}); last: {exc}"
-                    ) from exc
-                logger.warning(
-                    "shard %s: %s; redoing it on a fresh engine (retry %d of %d)",
-                    shard_id,
-                    exc,
-                    attempt + 1,
-                    self.engine_retries,
-                )
-                self._close_engine()
-                self.engine = self._new_engine()
-        raise AssertionError("unreachable")
-
-    def _close_engine(self) -> None:
-        """Stop the engine's workers, if it has any (a failed one already has)."""
-        shutdown = getattr(getattr(self.engine, "runner", None), "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        """The shard's outputs, through the feed (other shards run in the same batch); a
+        stand-in engine with only `generate` (unit tests) is called directly."""
+        if not hasattr(self.engine, "add_prompts"):
+            return self.engine.generate(prompts, params, groups)
+        return self.feed.generate(shard_id, prompts, params, groups)
 
     def required_columns(self) -> tuple[str, ...]:
         return (
@@ -221,6 +216,13 @@ class InferStage(Stage):
             elapsed,
             generated / elapsed if elapsed > 0 else 0.0,
         )
+
+
+def _close_engine(engine) -> None:  # noqa: ANN001 (actors.LLMEngine)
+    """Stop the engine's workers, if it has any (a failed one already has)."""
+    shutdown = getattr(getattr(engine, "runner", None), "shutdown", None)
+    if shutdown is not None:
+        shutdown()
 
 
 @dataclass

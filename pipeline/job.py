@@ -14,8 +14,10 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from actors.parallel import placement
 from pipeline import engine_groups, stage
@@ -32,6 +34,7 @@ from pipeline.tokenize import TokenizeStage
 logger = logging.getLogger(__name__)
 
 BYTES_PER_PARTITION = 64 * 2**20  # input bytes per shuffle partition when not configured
+MAX_SHARDS_IN_FLIGHT = 16  # per engine actor: each is a thread waiting in the actor
 
 
 @dataclass(frozen=True)
@@ -187,9 +190,23 @@ def build_dataset(
             ),
             batch_format="pyarrow",
             batch_size=1,
-            compute=ray.data.ActorPoolStrategy(size=compute.num_actors),
+            compute=ray.data.ActorPoolStrategy(
+                size=compute.num_actors,
+                # Several shards in one actor at once, so the next shard's prompts join the
+                # running batch while the last ones decode (pipeline/feed.py).
+                max_concurrent_calls_per_actor=shards_in_flight(config),
+                max_tasks_in_flight_per_actor=shards_in_flight(config),
+                enable_true_multi_threading=True,
+            ),
             **actor_args,
         )
+
+
+def shards_in_flight(config: JobConfig) -> int:
+    """Shards one engine actor holds at once: enough rows to fill `max_num_seqs`, plus one
+    shard whose prompts wait to replace the ones that finish."""
+    rows = config.plan.max_rows_per_shard
+    return min(MAX_SHARDS_IN_FLIGHT, max(2, math.ceil(config.engine.max_num_seqs / rows) + 1))
 
 
 def engine_actor_args(config: JobConfig, groups: EngineGroups | None = None) -> dict:
@@ -266,8 +283,10 @@ def run_job(
     *,
     prepared: PreparedJob | None = None,
     infer_cls: type[InferStage] = InferStage,
+    on_written: Callable[[Any], None] | None = None,
 ) -> Summary:
-    """Run the whole job into `config.output` (resuming what is there) and report."""
+    """Run the whole job into `config.output` (resuming what is there) and report.
+    `on_written` gets the written Ray Dataset (benchmarks read its per-operator stats)."""
     import ray
 
     started = time.perf_counter()
@@ -285,6 +304,8 @@ def run_job(
                 config.output, ray_remote_args={"num_cpus": config.compute.task_num_cpus}
             )
             plan = ray.get(collector.plan_total.remote())
+            if on_written is not None:
+                on_written(ds)
         finally:
             ray.kill(collector)
     finally:

@@ -1,0 +1,162 @@
+"""Continuous feed: the next shard's prompts join the running batch before the previous
+shard's last request finishes (seen in the engine's steps), outputs stay token-identical to
+`LLMEngine.generate` alone, and the job with many small shards equals the engine."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from actors import LLMEngine
+from actors.config import EngineConfig, SamplingParams
+from packing import PrefixGroup
+from pipeline.config import PromptConfig
+from pipeline.feed import EngineFeed
+from pipeline.job import run_job, shards_in_flight
+from pipeline.prompts import PromptBuilder, merge_sampling
+from tests.pipeline.data import MALFORMED, TEMPLATE, rows
+from tests.pipeline.test_job import make_config, read_output
+
+OPENING = "Read the note, then answer. The note is about tea, its growers and its trade."
+
+
+def _shard(engine: LLMEngine, note: str, questions: list[str]) -> tuple[list, list]:
+    """Token prompts sharing a long opening (a two-level group: the opening, then the note)."""
+    tok = engine.tokenizer
+    opening = tok.encode(OPENING, add_special_tokens=False)
+    with_note = opening + tok.encode(note, add_special_tokens=False)
+    prompts = [
+        with_note + tok.encode(f" Question: {q}", add_special_tokens=False) for q in questions
+    ]
+    members = tuple(range(len(prompts)))
+    groups = [PrefixGroup(len(opening), members), PrefixGroup(len(with_note), members[1:], 0)]
+    return prompts, groups
+
+
+class StepLog:
+    """Records, after each engine step, the ids of the running requests; step `gate_at` waits
+    for `gate` (so a test can put a shard in before it, whatever the threads' speeds)."""
+
+    def __init__(self, engine: LLMEngine, gate_at: int) -> None:
+        self.running: list[set[str]] = []
+        self.first_step = threading.Event()
+        self.gate = threading.Event()
+        step = engine.step
+
+        def logged_step():  # noqa: ANN202
+            if len(self.running) == gate_at:
+                assert self.gate.wait(120), "the test never opened the gate"
+            outputs = step()
+            self.running.append({r.request_id for r in engine.scheduler.running})
+            self.first_step.set()
+            return outputs
+
+        engine.step = logged_step  # type: ignore[method-assign]
+
+
+def test_next_shard_is_admitted_while_the_previous_one_decodes(tiny_model_dir: Path) -> None:
+    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=64)
+    engine = LLMEngine(config)
+    log = StepLog(engine, gate_at=1)
+    feed = EngineFeed(engine, lambda: LLMEngine(config), lambda e: None)
+    a_prompts, a_groups = _shard(engine, "Green tea grows in hills.", ["why", "who", "where"])
+    b_prompts, b_groups = _shard(engine, "Black tea is fermented.", ["how", "when", "what", "a"])
+    long = SamplingParams(max_tokens=12, ignore_eos=True)
+    short = SamplingParams(max_tokens=5, ignore_eos=True)
+    a_params, b_params = [long] * len(a_prompts), [short] * len(b_prompts)
+
+    a = feed.submit("a", a_prompts, a_params, a_groups)
+    assert log.first_step.wait(120)  # shard a is in the engine, one step done
+    b = feed.submit("b", b_prompts, b_params, b_groups)
+    log.gate.set()
+    a_out, b_out = a.result(timeout=120), b.result(timeout=120)
+
+    a_ids = {o.request_id for o in a_out}
+    b_ids = {o.request_id for o in b_out}
+    together = [i for i, running in enumerate(log.running) if running & a_ids and running & b_ids]
+    assert together, "shard b never ran in the same step as shard a"
+    a_last = max(i for i, running in enumerate(log.running) if running & a_ids)
+    assert together[0] < a_last  # b was admitted while a still had requests to decode
+    assert all(len(o.token_ids) == 12 for o in a_out)
+    # b's members share its prefix groups across the boundary: computed once, then cached
+    assert all(o.num_cached_tokens > 0 for o in b_out)
+
+    # Token-identical to each shard alone on a fresh engine.
+    for prompts, params, groups, got in (
+        (a_prompts, a_params, a_groups, a_out),
+        (b_prompts, b_params, b_groups, b_out),
+    ):
+        alone = LLMEngine(config).generate(prompts, params, groups)
+        assert [o.token_ids for o in got] == [o.token_ids for o in alone]
+
+
+def test_a_failing_engine_fails_the_shards_in_it_and_goes_on(tiny_model_dir: Path) -> None:
+    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=64)
+    engine = LLMEngine(config)
+    step = engine.step
+    calls = {"n": 0}
+
+    def failing_once():  # noqa: ANN202
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return step()
+
+    engine.step = failing_once  # type: ignore[method-assign]
+    feed = EngineFeed(engine, lambda: LLMEngine(config), lambda e: None)
+    prompts, groups = _shard(engine, "Oolong is rolled.", ["why", "who"])
+    params = [SamplingParams(max_tokens=4, ignore_eos=True)] * len(prompts)
+    with pytest.raises(RuntimeError, match="boom"):
+        feed.generate("bad", prompts, params, groups)
+    outs = feed.generate("good", prompts, params, groups)
+    alone = LLMEngine(config).generate(prompts, params, groups)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+
+
+def test_shards_in_flight_cover_the_batch(tmp_path: Path) -> None:
+    def in_flight(rows_per_shard: int) -> int:
+        config = make_config(tmp_path, tmp_path, tmp_path, max_rows_per_shard=rows_per_shard)
+        return shards_in_flight(config)
+
+    # make_config's max_num_seqs is 64: enough shards to fill it, plus one waiting
+    assert (in_flight(16), in_flight(20), in_flight(256)) == (5, 5, 2)
+    assert in_flight(1) == 16  # a cap: each shard in flight is a thread in the actor
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_job_with_many_small_shards_equals_the_engine(
+    ray_cluster, prompt_table, tiny_model_dir, tmp_path
+) -> None:
+    """Two rows per shard: every prefix group is split over shard boundaries; the output is
+    token-identical to one `generate` call on all prompts, and every id comes back once."""
+    config = make_config(
+        prompt_table, tiny_model_dir, tmp_path / "out", num_partitions=1, max_rows_per_shard=2
+    )
+    run_job(config)
+    out = read_output(tmp_path / "out")
+    table = rows()
+    assert set(out) == {r["id"] for r in table}
+    assert {i for i, r in out.items() if r["error"] is not None} == MALFORMED
+
+    valid = [r for r in table if r["id"] not in MALFORMED]
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_seqs=64))
+    builder = PromptBuilder(PromptConfig(template=TEMPLATE))
+    params = [
+        merge_sampling(config.sampling, {"max_tokens": r["max_tokens"]} if r["max_tokens"] else {})
+        for r in valid
+    ]
+    direct = engine.generate([builder.build(r) for r in valid], params)
+    shards, cached = defaultdict(set), defaultdict(list)
+    for row, ref in zip(valid, direct, strict=True):
+        got = out[row["id"]]
+        assert got["generated_token_ids"] == list(ref.token_ids), row["id"]
+        assert got["generated_text"] == ref.text
+        shards[row["doc_id"]].add(got["shard"])
+        cached[row["doc_id"]].append(got["num_cached_tokens"])
+    assert max(len(s) for s in shards.values()) >= 2  # groups were split over shards
+    for doc, tokens in cached.items():  # each document's prefix was computed once for 2 rows
+        assert doc.startswith("short-") or max(tokens) > 64, (doc, tokens)
