@@ -1,0 +1,345 @@
+"""The offline job against its own engine, in one run, on the same real prompts.
+
+Alpaca instructions (../shared/data/alpaca_5000.json, `RAYPACK_DATA_DIR` to move it) as one
+chat user turn each, greedy, at most `--max-tokens` new tokens, the embedded SmolLM2:
+
+* `LLMEngine.generate` on all prompts in one call, in this process (torch on every core);
+* `jobs/generate.py`'s job (`pipeline.job.run_job`) on the same rows as a Parquet messages
+  column, once per shard size, each on a fresh local Ray (its start-up is the job's).
+
+Printed JSON: each job's throughput as a share of the engine's (generated tokens per second),
+the job's time breakdown (start-up: Ray and the model check; then the span of each Ray Data
+operator: read, tokenize, plan, engine, write), the engine's own step seconds inside the job
+(against the engine alone: the in-actor penalty), whether the outputs are token-identical, and
+per engine step the number of running sequences (`--steps-file`; `--plot` draws it with the
+shard boundaries, to show the batch stays full across them).
+
+    python benchmarks/bench_job.py --num-prompts 512 --shard-sizes 32,64,256 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python benchmarks/bench_job.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig  # noqa: E402
+from pipeline.infer import InferStage  # noqa: E402
+from pipeline.job import run_job  # noqa: E402
+
+DATA_DIR = Path(os.environ.get("RAYPACK_DATA_DIR", ROOT.parent / "shared" / "data"))
+# Ray Data operator names (as in its stats) -> the breakdown's names; the first match wins
+# (Ray fuses the id and tokenize stages into one operator).
+STAGES = (
+    ("TokenizeStage", "tokenize"),
+    ("num_rows_per_block=1,", "plan"),  # one shard per block, after the plan
+    ("StreamingRepartition", "read"),  # read blocks cut for the tokenizers
+    ("Read", "read"),
+    ("ListFiles", "read"),
+    ("Repartition", "shuffle"),  # the keyed all-to-all (or the one-partition shortcut)
+    ("PlanStage", "plan"),
+    ("Recorded", "engine"),  # step_recording_stage's InferStage
+    ("InferStage", "engine"),
+    ("Write", "write"),
+)
+
+
+def alpaca_messages(count: int, seed: int) -> list[tuple[str, list[dict]]]:
+    """`count` Alpaca records drawn with a fixed seed, as (id, one user message)."""
+    with open(DATA_DIR / "alpaca_5000.json") as f:
+        records = json.load(f)
+    picked = np.random.default_rng(seed).choice(len(records), size=count, replace=False)
+    out = []
+    for i in sorted(int(i) for i in picked):
+        content = records[i]["instruction"]
+        if records[i].get("input"):
+            content += "\n\n" + records[i]["input"]
+        out.append((f"alpaca-{i}", [{"role": "user", "content": content}]))
+    return out
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """The chat template with the generation prompt, as token ids (what the job's tokenize
+    stage makes of a messages row; the job's own count is checked against it)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def engine_alone(rows: list, params: SamplingParams, threads: int) -> dict[str, Any]:
+    """All prompts through one `generate` call; its wall time, tokens and outputs by id."""
+    import torch
+
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    engine = LLMEngine(EngineConfig())
+    prompts = [prompt_ids(engine.tokenizer, m) for _, m in rows]
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up (kernel, allocator)
+    warm = engine.stats
+    loaded = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    wall = time.perf_counter() - loaded
+    stats = engine.stats
+    result = {
+        "load_s": round(loaded - started, 2),
+        "generate_s": round(wall, 2),
+        "generated_tokens": sum(len(o.token_ids) for o in outs),
+        "steps": stats.num_steps - warm.num_steps,
+        "step_s": round(stats.step_seconds - warm.step_seconds, 2),
+        "outputs": {rid: list(o.token_ids) for (rid, _), o in zip(rows, outs, strict=True)},
+        "prompt_tokens": {rid: len(p) for (rid, _), p in zip(rows, prompts, strict=True)},
+    }
+    del engine
+    gc.collect()
+    return result
+
+
+def step_recording_stage(path: Path) -> type[InferStage]:
+    """An InferStage that records, per engine step, its time, running and waiting sequences
+    and tokens; the log (and the time each shard finished) goes to `path` after each shard."""
+
+    class Recorded(InferStage):
+        def _new_engine(self):  # noqa: ANN202
+            engine = super()._new_engine()
+            self.steps: list[tuple[float, int, int, float]] = []
+            self.shards_done: list[float] = []
+            step = engine.step
+
+            def recorded():  # noqa: ANN202
+                started = time.perf_counter()
+                outputs = step()
+                s = engine.scheduler
+                self.steps.append(
+                    (started, len(s.running), len(s.waiting), time.perf_counter() - started)
+                )
+                return outputs
+
+            engine.step = recorded
+            self.dump_lock = threading.Lock()  # shards finish in several threads
+            return engine
+
+        def run_shard(self, shard):  # noqa: ANN001, ANN202
+            table = super().run_shard(shard)
+            self.shards_done.append(time.perf_counter())
+            with self.dump_lock:
+                record = {"steps": list(self.steps), "shards_done": list(self.shards_done)}
+                path.write_text(json.dumps(record))
+            return table
+
+    return Recorded
+
+
+def operator_spans(ds: Any) -> dict[str, list[float]]:
+    """[first task start, last task end] of each breakdown stage (`time.perf_counter`, one
+    clock for every process of the machine)."""
+    spans: dict[str, list[float]] = {}
+    todo = [ds._write_ds.get_stats_summary()]
+    while todo:
+        summary = todo.pop()
+        todo.extend(summary.parents)
+        for op in summary.operators_stats:
+            stage = next((v for k, v in STAGES if k in op.operator_name), None)
+            if stage is None or op.earliest_start_time is None:
+                continue
+            start, end = spans.setdefault(stage, [float("inf"), 0.0])
+            spans[stage] = [min(start, op.earliest_start_time), max(end, op.latest_end_time)]
+    return spans
+
+
+def run_one_job(
+    table: Path, output: Path, shard_size: int, params: SamplingParams, steps_file: Path
+) -> dict[str, Any]:
+    """One job on a fresh local Ray; its wall time, breakdown, engine steps and outputs."""
+    import ray
+
+    started = time.perf_counter()
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    config = JobConfig(
+        input=InputConfig(str(table)),
+        prompt=PromptConfig(messages_column="messages"),
+        output=str(output),
+        engine=EngineConfig(),
+        sampling=params,
+        plan=PlanConfig(max_rows_per_shard=shard_size),
+        compute=ComputeConfig(),
+    )
+    spans: dict[str, list[float]] = {}
+    ray_up = time.perf_counter()
+    try:
+        summary = run_job(
+            config,
+            infer_cls=step_recording_stage(steps_file),
+            on_written=lambda ds: spans.update(operator_spans(ds)),
+        )
+    finally:
+        ray.shutdown()
+    ended = time.perf_counter()
+    out = pq.read_table(output, columns=["id", "generated_token_ids", "num_prompt_tokens"])
+    steps = json.loads(steps_file.read_text())
+    step_s = sum(s[3] for s in steps["steps"])
+    first_step = min(s[0] for s in steps["steps"])
+    last_step = max(s[0] + s[3] for s in steps["steps"])
+    first_op = min(start for start, _ in spans.values())
+    ids = out["id"].to_pylist()
+    return {
+        "wall_s": round(ended - started, 2),
+        "breakdown_s": {
+            # Ray, then the model check and the pipeline's set-up until the first read task
+            "start_up": round(first_op - started, 2),
+            "ray_init": round(ray_up - started, 2),
+            # each stage from its first task's start to its last task's end (they overlap:
+            # writes stream as shards finish; the engine actor loads while rows are read)
+            **{k: round(end - start, 2) for k, (start, end) in spans.items()},
+            "plan_done_to_first_step": round(first_step - spans["plan"][1], 2),
+            "engine_steps_span": round(last_step - first_step, 2),
+            "engine_step_s": round(step_s, 2),
+            "after_last_step": round(ended - last_step, 2),  # last write, summary, report
+        },
+        "rows": out.num_rows,
+        "summary_rows": summary.rows,
+        "steps": len(steps["steps"]),
+        "running_per_step": [s[1] for s in steps["steps"]],
+        "step_times": [round(s[0] - first_step, 3) for s in steps["steps"]],
+        "shards_done": [round(t - first_step, 3) for t in steps["shards_done"]],
+        "outputs": dict(zip(ids, out["generated_token_ids"].to_pylist(), strict=True)),
+        "prompt_tokens": dict(zip(ids, out["num_prompt_tokens"].to_pylist(), strict=True)),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--shard-sizes", default="32,64,256")
+    parser.add_argument("--repeats", type=int, default=1, help="medians over this many runs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="engine alone")
+    parser.add_argument("--steps-file", help="write running sequences per step (JSON) here")
+    parser.add_argument("--plot", help="draw running sequences per step to this PNG")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.shard_sizes.split(",")]
+    rows = alpaca_messages(args.num_prompts, args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens)  # temperature 0: greedy
+    work = Path(tempfile.mkdtemp(prefix="bench-job-"))
+    table = work / "prompts.parquet"
+    pq.write_table(
+        pa.table(
+            {"id": [r for r, _ in rows], "messages": [json.dumps(m) for _, m in rows]},
+        ),
+        table,
+    )
+    alone_runs: list[dict] = []
+    jobs: dict[int, list[dict]] = {s: [] for s in sizes}
+    try:
+        for rep in range(args.repeats):
+            alone_runs.append(engine_alone(rows, params, args.threads))
+            print(f"rep {rep}: engine alone {alone_runs[-1]['generate_s']} s", file=sys.stderr)
+            for size in sizes:
+                out = work / f"out-{size}-{rep}"
+                jobs[size].append(run_one_job(table, out, size, params, work / "steps.json"))
+                print(f"rep {rep}: job {size} {jobs[size][-1]['wall_s']} s", file=sys.stderr)
+                shutil.rmtree(out, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report(args, alone_runs, jobs), indent=2))
+    if args.steps_file or args.plot:
+        trace = {str(s): {k: runs[-1][k] for k in TRACE} for s, runs in jobs.items()}
+        if args.steps_file:
+            Path(args.steps_file).write_text(json.dumps(trace))
+        if args.plot:
+            plot(trace, args.plot)
+
+
+TRACE = ("step_times", "running_per_step", "shards_done")
+
+
+def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[int, list]) -> dict:
+    """Medians of the runs, ratios of the same run, identity of the outputs."""
+    ref = alone_runs[0]
+    tokens = ref["generated_tokens"]
+    alone_s = statistics.median(r["generate_s"] for r in alone_runs)
+    result: dict[str, Any] = {
+        "prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        "engine_alone": {
+            "generate_s": alone_s,
+            "runs_s": [r["generate_s"] for r in alone_runs],
+            "tokens_per_s": round(tokens / alone_s, 1),
+            "steps": ref["steps"],
+            "step_s": statistics.median(r["step_s"] for r in alone_runs),
+            "threads": args.threads,
+        },
+        "jobs": {},
+    }
+    for size, runs in jobs.items():
+        ratios = [a["generate_s"] / j["wall_s"] for a, j in zip(alone_runs, runs, strict=True)]
+        engine_ratios = [
+            a["step_s"] / j["breakdown_s"]["engine_step_s"]
+            for a, j in zip(alone_runs, runs, strict=True)
+        ]
+        last = runs[-1]
+        same = sum(last["outputs"].get(k) == v for k, v in ref["outputs"].items())
+        same_prompt = sum(
+            last["prompt_tokens"].get(k) == v for k, v in ref["prompt_tokens"].items()
+        )
+        running = last["running_per_step"]
+        result["jobs"][str(size)] = {
+            "wall_s": statistics.median(j["wall_s"] for j in runs),
+            "runs_s": [j["wall_s"] for j in runs],
+            "throughput_vs_engine": round(statistics.median(ratios), 3),
+            "ratios": [round(r, 3) for r in ratios],
+            "engine_step_speed_vs_alone": round(statistics.median(engine_ratios), 3),
+            "breakdown_s": last["breakdown_s"],
+            "steps": last["steps"],
+            "median_running_per_step": statistics.median(running),
+            "rows": last["rows"],
+            "token_identical_rows": same,
+            "same_prompt_length_rows": same_prompt,
+        }
+    return result
+
+
+def plot(trace: dict[str, dict], path: str) -> None:
+    """Running sequences per engine step over time, one panel per shard size, with a line
+    where each shard finished."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(trace), 1, figsize=(9, 2.4 * len(trace)), squeeze=False)
+    for ax, (size, t) in zip(axes[:, 0], trace.items(), strict=True):
+        for done in t["shards_done"]:
+            ax.axvline(done, color="0.85", lw=0.6)
+        ax.plot(t["step_times"], t["running_per_step"], lw=1)
+        ax.set_ylabel("running seqs")
+        ax.set_title(f"{size}-row shards (grey: a shard finished)", fontsize=9)
+    axes[-1, 0].set_xlabel("seconds since the engine's first step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
