@@ -102,6 +102,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-partitions", type=int, help="shuffle partitions (default: from the input size)"
     )
     p.add_argument(
+        "--on-duplicate",
+        choices=["error", "first"],
+        default="error",
+        help="rows sharing an id with different content: an error row each (default), or "
+        "generate the first one read; identical rows are generated once either way",
+    )
+    p.add_argument(
         "--no-nested-groups",
         action="store_true",
         help="give the engine only first-level prefix groups (no common openings shared)",
@@ -201,6 +208,7 @@ def job_config(
             num_partitions=args.num_partitions,
             key_block_size=args.prefix_key_tokens,
             nested=not args.no_nested_groups,
+            on_duplicate=args.on_duplicate,
         ),
         compute=ComputeConfig(
             num_actors=args.num_actors,
@@ -235,6 +243,7 @@ def run(config_fn: Callable[[], JobConfig], num_cpus: int | None, as_json: bool)
     """Check, connect, run, print the summary. Bad input exits 2 with the reason, before Ray
     starts."""
     from pipeline.job import prepare, run_job
+    from pipeline.output import OutputFolder
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -242,11 +251,13 @@ def run(config_fn: Callable[[], JobConfig], num_cpus: int | None, as_json: bool)
     try:
         config = config_fn()
         prepared = prepare(config)
+        folder = OutputFolder.claim(config.output)  # another job's folder: refused here
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    connect_ray(num_cpus)
-    summary = run_job(config, prepared=prepared)
+    with folder:
+        connect_ray(num_cpus)
+        summary = run_job(config, prepared=prepared, folder=folder)
     print(json.dumps(asdict(summary), indent=2) if as_json else summary.log_line())
     return 0
 

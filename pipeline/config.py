@@ -143,8 +143,11 @@ class PlanConfig:
     max_rows_per_shard: int = 256
     max_tokens_per_shard: int = 65536
     num_partitions: int | None = None  # hash partitions of the shuffle; None: 4 per engine actor
+    on_duplicate: str = "error"  # rows sharing an id with different content: see pipeline/dedupe.py
 
     def __post_init__(self) -> None:
+        if self.on_duplicate not in ("error", "first"):
+            raise ValueError(f"on_duplicate must be 'error' or 'first', got {self.on_duplicate!r}")
         for name in (
             "key_block_size",
             "max_rows_per_shard",

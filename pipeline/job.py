@@ -22,11 +22,21 @@ from typing import Any
 from actors.parallel import placement
 from pipeline import engine_groups, stage
 from pipeline.config import OUTPUT_ID, JobConfig
+from pipeline.dedupe import CONTENT
 from pipeline.engine_groups import EngineGroups
 from pipeline.infer import InferStage
+from pipeline.output import OutputFolder, check_output
 from pipeline.plan import PlanStage
 from pipeline.prompts import SAMPLING_FIELDS, RowIdStage
-from pipeline.read import InputSource, check_columns, input_columns, read_dataset, resolve_input
+from pipeline.read import (
+    InputCheck,
+    InputSource,
+    check_columns,
+    check_input,
+    input_columns,
+    read_dataset,
+    resolve_input,
+)
 from pipeline.report import StatsCollector, Summary, summarize, write_report
 from pipeline.resume import data_files, scan_output
 from pipeline.tokenize import TokenizeStage
@@ -47,11 +57,13 @@ class PreparedJob:
     override_columns: tuple[str, ...]
     max_model_len: int
     num_partitions: int
+    checked: InputCheck = InputCheck()
 
 
 def prepare(config: JobConfig) -> PreparedJob:
-    """Check the job against the input's header and the model's config; ValueError or
-    FileNotFoundError before any work if something is missing."""
+    """Check the job against the input (every file read once, strictly: see
+    `read.check_input`), the model's config and the output folder (writable); ValueError or
+    FileNotFoundError before any work if something is wrong."""
     from actors.loader import resolve
 
     source = resolve_input(config.input)
@@ -86,6 +98,8 @@ def prepare(config: JobConfig) -> PreparedJob:
         overrides = prompt.override_columns
 
     resolve(config.engine.model)  # FileNotFoundError naming the model before Ray starts
+    checked = check_input(source)
+    check_output(config.output)  # last: it creates the folder
     return PreparedJob(
         source=source,
         columns=tuple(columns),
@@ -94,6 +108,7 @@ def prepare(config: JobConfig) -> PreparedJob:
         max_model_len=model_context(config),
         num_partitions=config.plan.num_partitions
         or max(config.compute.num_actors, math.ceil(_input_bytes(source) / BYTES_PER_PARTITION)),
+        checked=checked,
     )
 
 
@@ -128,10 +143,14 @@ def build_dataset(
     compute = config.compute
     keep = config.input.keep_columns
     ds = read_dataset(
-        prepared.source, config.input.hf_split, compute.task_num_cpus, compute.rows_per_block
+        prepared.source,
+        config.input.hf_split,
+        compute.task_num_cpus,
+        compute.rows_per_block,
+        prepared.checked,
     )
     ds = ds.map_batches(
-        RowIdStage(prepared.id_column, done_ids),
+        RowIdStage(prepared.id_column, done_ids, collector),
         batch_format="pyarrow",
         batch_size=None,
         num_cpus=compute.task_num_cpus,
@@ -143,7 +162,7 @@ def build_dataset(
             model=config.engine.model,
             max_model_len=prepared.max_model_len,
             sampling=config.sampling,
-            keep_columns=keep,
+            keep_columns=(*keep, CONTENT),  # to the planner, which tells rows apart by it
             override_columns=prepared.override_columns,
             key_block_size=config.plan.key_block_size,
             trust_remote_code=config.engine.trust_remote_code,
@@ -284,24 +303,42 @@ def run_job(
     prepared: PreparedJob | None = None,
     infer_cls: type[InferStage] = InferStage,
     on_written: Callable[[Any], None] | None = None,
+    folder: OutputFolder | None = None,
 ) -> Summary:
     """Run the whole job into `config.output` (resuming what is there) and report.
-    `on_written` gets the written Ray Dataset (benchmarks read its per-operator stats)."""
+    `on_written` gets the written Ray Dataset (benchmarks read its per-operator stats).
+
+    The output folder is claimed for the run (`OutputFolder.claim`: OutputBusyError while
+    another job holds it) unless the caller passes the claimed `folder`."""
+    if folder is None:
+        with OutputFolder.claim(config.output) as claimed:
+            return run_job(
+                config,
+                prepared=prepared,
+                infer_cls=infer_cls,
+                on_written=on_written,
+                folder=claimed,
+            )
     import ray
+    from ray.data.datasource import FilenameProvider
 
     started = time.perf_counter()
     prepared = prepared or prepare(config)
     config = _parallel_defaults(config)
     groups = check_room(config)  # before anything is written
+    prefix = folder.filename_prefix()
     try:
-        state = scan_output(config.output)
+        state = scan_output(config.output, prefix)
         Path(config.output).mkdir(parents=True, exist_ok=True)
-        before = {str(p) for p in data_files(config.output)}
+        before = {str(p) for p in data_files(config.output, prefix)}
         collector = ray.remote(num_cpus=0)(StatsCollector).remote()
         try:
             ds = build_dataset(config, prepared, state.done_ids, collector, infer_cls, groups)
             ds.write_parquet(
-                config.output, ray_remote_args={"num_cpus": config.compute.task_num_cpus}
+                config.output,
+                # Named with the folder's job token: the only files a rerun reads or deletes.
+                filename_provider=FilenameProvider(dataset_uuid=prefix),
+                ray_remote_args={"num_cpus": config.compute.task_num_cpus},
             )
             plan = ray.get(collector.plan_total.remote())
             if on_written is not None:
@@ -311,7 +348,7 @@ def run_job(
     finally:
         if groups is not None:
             groups.remove_all()
-    written = [p for p in data_files(config.output) if str(p) not in before]
+    written = [p for p in data_files(config.output, prefix) if str(p) not in before]
     summary, distributions = summarize(
         config.output, written, plan, time.perf_counter() - started, len(state.done_ids)
     )

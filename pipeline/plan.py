@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from actors.config import SamplingParams
-from pipeline import stage
+from pipeline import dedupe, stage
 from pipeline.config import PlanConfig
+from pipeline.dedupe import DEDUPE_KEY
 from pipeline.logs import setup_worker_logging
 from pipeline.stage import Stage
 
@@ -176,7 +177,9 @@ def plan_partition(
 ) -> tuple[pa.Table, PlanStats]:
     """One shuffle partition of tokenized rows -> one row per shard, and what was planned."""
     stats = PlanStats()
-    ids = table.column(stage.ID).to_pylist()
+    # Rows are the same when their dedupe key is (pipeline/dedupe.py), else their id.
+    key_column = DEDUPE_KEY if DEDUPE_KEY in table.column_names else stage.ID
+    ids = table.column(key_column).to_pylist()
     seen: set[str] = set()
     unique: list[int] = []
     for i, row_id in enumerate(ids):
@@ -373,9 +376,13 @@ class PlanStage(Stage):
             # Named by its sorted ids, so a plan task Ray retries keeps its claims and
             # replaces its stats record instead of adding a second one.
             partition = _shard_id(sorted(set(batch.column(stage.ID).to_pylist())))
+            versions = ray.get(
+                self.collector.versions.remote(batch.column(stage.ID).unique().to_pylist())
+            )
+            batch, not_first = dedupe.resolve(batch, versions, self.config.on_duplicate)
             batch, dropped = self._drop_ids_claimed_elsewhere(batch, partition)
             shards, stats = plan_partition(batch, self.config, self.sampling, self.keep_columns)
-            stats.duplicate_rows += dropped
+            stats.duplicate_rows += dropped + not_first
             ray.get(self.collector.record_plan.remote(partition, stats))
         logger.info(
             "planned %d rows into %d shards: %d prefix groups shared, %d tokens saved of %d",
@@ -397,7 +404,8 @@ class PlanStage(Stage):
         """
         import ray
 
-        ids = batch.column(stage.ID).to_pylist()
+        key_column = DEDUPE_KEY if DEDUPE_KEY in batch.column_names else stage.ID
+        ids = batch.column(key_column).to_pylist()
         unique = list(dict.fromkeys(ids))
         claims = ray.get(self.collector.claim_ids.remote(partition, unique))
         owned = dict(zip(unique, claims, strict=True))

@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow as pa
 
 from actors.config import SamplingParams
-from pipeline import stage
+from pipeline import dedupe, stage
 from pipeline.config import PromptConfig
 from pipeline.stage import Stage
 
@@ -39,9 +39,15 @@ class RowIdStage(Stage):
 
     name = "row ids"
 
-    def __init__(self, id_column: str | None, done_ids: Iterable[str] = ()):
+    def __init__(
+        self,
+        id_column: str | None,
+        done_ids: Iterable[str] = (),
+        collector=None,  # noqa: ANN001 (actor handle of pipeline.report.StatsCollector)
+    ):
         self.id_column = id_column
         self.done_ids = frozenset(done_ids)
+        self.collector = collector
 
     def required_columns(self) -> tuple[str, ...]:
         return (self.id_column,) if self.id_column else ()
@@ -58,13 +64,33 @@ class RowIdStage(Stage):
             ]
         else:
             ids = [content_id(row) for row in rows]
+        # The row's content, so rows that share an id can be told apart (pipeline/dedupe.py).
+        hashes = ids if self.id_column is None else [content_id(row) for row in rows]
         if stage.ID in batch.column_names:
             batch = batch.drop_columns([stage.ID])
         table = batch.add_column(0, stage.ID, pa.array(ids, pa.string()))
+        table = table.append_column(dedupe.CONTENT, pa.array(hashes, pa.string()))
         if self.done_ids:
-            keep = pa.array([i not in self.done_ids for i in ids], pa.bool_())
-            table = table.filter(keep)
+            keep = [i not in self.done_ids for i in ids]
+            rows = [r for r, k in zip(rows, keep, strict=True) if k]
+            table = table.filter(pa.array(keep, pa.bool_()))
+        if self.collector is not None and table.num_rows:
+            self._register(table, rows)
         return table
+
+    def _register(self, table: pa.Table, rows: list[dict[str, Any]]) -> None:
+        import ray
+
+        ids = table.column(stage.ID).to_pylist()
+        hashes = table.column(dedupe.CONTENT).to_pylist()
+        conflicts = ray.get(self.collector.register_rows.remote(ids, hashes))
+        if any(conflicts):
+            described = [
+                (i, h, dedupe.preview(row))
+                for i, h, row, c in zip(ids, hashes, rows, conflicts, strict=True)
+                if c
+            ]
+            ray.get(self.collector.describe_rows.remote(described))
 
 
 class PromptBuilder:
@@ -109,12 +135,30 @@ class PromptBuilder:
             raise RowError(f"chat template failed: {exc}") from None
 
 
+class SamplingOverrides(dict):
+    """A row's sampling overrides (field -> value), remembering the column each came from so
+    an error can name it. A plain dict to everything else (it is stored as JSON)."""
+
+    def __init__(self, values: Mapping[str, Any] = (), columns: Mapping[str, str] = ()):  # type: ignore[assignment]
+        super().__init__(values)
+        self.columns: dict[str, str] = dict(columns)
+
+    def describe(self, name: str) -> str:
+        """Where field `name` came from, for a message: "column 'seed'" or "column 'sp'
+        (field 'seed')"."""
+        column = self.columns.get(name, name)
+        return f"column {column!r}" + ("" if column == name else f" (field {name!r})")
+
+
 def sampling_overrides(
     row: Mapping[str, Any], override_columns: Iterable[str], sampling_column: str | None
-) -> dict[str, Any]:
+) -> SamplingOverrides:
     """The row's sampling overrides: SamplingParams fields from the named columns (nulls mean
-    "use the default") and from a dict / JSON column. RowError on an unknown field."""
-    overrides: dict[str, Any] = {}
+    "use the default") and from a dict / JSON column, each coerced to its declared type (a
+    CSV column arrives as text). RowError on an unknown field or a value that is not of the
+    field's type, naming the column and the value."""
+    values: dict[str, Any] = {}
+    columns: dict[str, str] = {}
     if sampling_column is not None and row.get(sampling_column) is not None:
         value = row[sampling_column]
         if isinstance(value, str):
@@ -130,30 +174,94 @@ def sampling_overrides(
         unknown = [k for k in value if k not in SAMPLING_FIELDS]
         if unknown:
             raise RowError(f"unknown sampling override {unknown}; known: {list(SAMPLING_FIELDS)}")
-        overrides.update({k: v for k, v in value.items() if v is not None})
+        for k, v in value.items():
+            if v is not None:
+                values[k], columns[k] = v, sampling_column
     for name in override_columns:
-        if row.get(name) is not None:
-            overrides[name] = row[name]
-    return {k: _coerce(k, v) for k, v in overrides.items()}
+        value = row.get(name)
+        # An empty CSV cell is text "": like a null, it means "use the default".
+        if value is not None and not (isinstance(value, str) and not value.strip()):
+            values[name], columns[name] = value, name
+    found = SamplingOverrides(columns=columns)
+    for k, v in values.items():
+        found[k] = _coerce(k, v, found.describe(k))
+    return found
 
 
 def merge_sampling(defaults: SamplingParams, overrides: Mapping[str, Any]) -> SamplingParams:
-    """The defaults with the row's overrides; RowError naming the field on a bad value."""
+    """The defaults with the row's overrides; RowError naming the column, the field, its value
+    and the allowed range (SamplingParams' own message) on a bad value."""
     if not overrides:
         return defaults
     try:
         return dataclasses.replace(defaults, **overrides)
     except (TypeError, ValueError) as exc:
-        raise RowError(f"invalid sampling override: {exc}") from None
+        where = _culprit(defaults, overrides)
+        raise RowError(f"invalid sampling override{where}: {exc}") from None
 
 
-def _coerce(name: str, value: Any) -> Any:
-    # Parquet written from pandas stores integer columns with nulls as floats (5.0).
-    if name in _INT_FIELDS and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if name in ("stop", "stop_token_ids") and isinstance(value, list):
-        return tuple(value)
+def _culprit(defaults: SamplingParams, overrides: Mapping[str, Any]) -> str:
+    """ " in column 'x'" for the first override that is invalid on its own ("" if only the
+    combination is: min_tokens over max_tokens)."""
+    for name, value in overrides.items():
+        try:
+            dataclasses.replace(defaults, **{name: value})
+        except (TypeError, ValueError):
+            if isinstance(overrides, SamplingOverrides):
+                return f" in {overrides.describe(name)}"
+            return f" {name!r}"
+    return ""
+
+
+# The declared type of each SamplingParams field a value is coerced to.
+_FLOAT_FIELDS = {"temperature", "top_p"}
+_TRUE, _FALSE = {"true", "1", "yes"}, {"false", "0", "no"}
+
+
+def _coerce(name: str, value: Any, where: str) -> Any:
+    """`value` as field `name`'s declared type. Parquet from pandas stores integer columns with
+    nulls as floats (5.0), and CSV columns may be text ("0.7"). Values of the right type are
+    returned as they are: their range is SamplingParams' to check."""
+    if name in _INT_FIELDS:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            return _parse(value, name, where, _int_text)
+    elif name in _FLOAT_FIELDS:
+        if isinstance(value, str):
+            return _parse(value, name, where, float)
+    elif name == "ignore_eos":
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+    elif name == "stop":
+        if isinstance(value, list):
+            return tuple(value)
+    elif name == "stop_token_ids":
+        if isinstance(value, list):
+            return tuple(
+                _parse(v, name, where, _int_text) if isinstance(v, str) else v for v in value
+            )
     return value
+
+
+def _int_text(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        number = float(text)  # "5.0" and "1e3" are integers too
+        if not number.is_integer():
+            raise
+        return int(number)
+
+
+def _parse(text: str, name: str, where: str, parse: Any) -> Any:
+    try:
+        return parse(text.strip())
+    except (ValueError, OverflowError):
+        kind = "an integer" if parse is _int_text else "a number"
+        raise RowError(f"{where}: {text[:100]!r} is not {kind} ({name} must be {kind})") from None
 
 
 def _text(value: Any, column: str) -> str:

@@ -35,9 +35,37 @@ class StatsCollector:
 
     def __init__(self) -> None:
         self._plans: dict[str, PlanStats] = {}
-        # id -> the partition that claimed it first. Ids are the user's (or 40-character
+        # id (dedupe key) -> the partition that claimed it first. Ids are the user's (or
         # content hashes): about 100 bytes each, so ~1 GB per 10M rows in this actor.
         self._owner: dict[str, str] = {}
+        # id -> the content hash of the first row read with it (another ~1 GB per 10M rows),
+        # and, for ids read with different content, every version (hash, preview or None).
+        self._first: dict[str, str] = {}
+        self._versions: dict[str, list[tuple[str, str | None]]] = {}
+
+    def register_rows(self, ids: Sequence[str], hashes: Sequence[str]) -> list[bool]:
+        """Record each row's id and content hash (the id stage, before the shuffle); for each,
+        whether its id now has rows with different content (pipeline/dedupe.py). A retried
+        task registers the same pairs again, which changes nothing."""
+        for i, h in zip(ids, hashes, strict=True):
+            first = self._first.setdefault(i, h)
+            if first != h:
+                versions = self._versions.setdefault(i, [(first, None)])
+                if all(v != h for v, _ in versions):
+                    versions.append((h, None))
+        return [i in self._versions for i in ids]
+
+    def describe_rows(self, rows: Sequence[tuple[str, str, str]]) -> None:
+        """Previews (id, hash, text) of rows whose id has several versions, for the errors."""
+        for i, h, text in rows:
+            versions = self._versions.get(i, [])
+            for n, (v, _) in enumerate(versions):
+                if v == h:
+                    versions[n] = (v, text)
+
+    def versions(self, ids: Sequence[str]) -> dict[str, list[tuple[str, str | None]]]:
+        """The versions of those of `ids` that were read with different content."""
+        return {i: self._versions[i] for i in set(ids) if i in self._versions}
 
     def claim_ids(self, partition: str, ids: Sequence[str]) -> list[bool]:
         """For each id, whether `partition` generates it: yes unless another partition

@@ -1,9 +1,10 @@
 """Resume: the output folder itself is the checkpoint.
 
-Before a run, every complete Parquet file in the output folder is read for its `id` column;
-those ids are dropped right after the id stage, so a rerun generates only what is missing.
-A file cut short by a killed run (no Parquet footer) is deleted first: its rows were never
-complete, so they are simply generated again.
+Before a run, every complete Parquet file this job wrote in the output folder (named with the
+folder's job token, see pipeline/output.py) is read for its `id` column; those ids are dropped
+right after the id stage, so a rerun generates only what is missing. One of its files cut
+short by a killed run (no Parquet footer) is deleted first: its rows were never complete, so
+they are simply generated again. Files the job did not write are never read or deleted.
 
 Why not Ray Data's own checkpointing (`ray.data.checkpoint.CheckpointConfig`, wired in through
 `DataContext.checkpoint_config`)? We read its 2.60 source: it filters rows right after the
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import stage
+from pipeline.output import LOCK_FILE, STATE_FILE
+from pipeline.report import REPORT_FILE, SUMMARY_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -40,33 +43,40 @@ logger = logging.getLogger(__name__)
 class OutputState:
     """What an output folder already holds."""
 
-    files: tuple[str, ...]  # complete Parquet files
+    files: tuple[str, ...]  # this job's complete Parquet files
     done_ids: frozenset[str]
-    removed: tuple[str, ...]  # partial files of a killed run, deleted
+    removed: tuple[str, ...]  # this job's files cut short by a killed run, deleted
+    foreign: tuple[str, ...] = ()  # files this job did not write, left alone
 
 
-def data_files(output: str | Path) -> list[Path]:
-    """The Parquet data files in an output folder (reports and hidden files excluded)."""
+def data_files(output: str | Path, prefix: str | None = None) -> list[Path]:
+    """The Parquet data files in an output folder (reports and hidden files excluded); with
+    `prefix`, only those named `<prefix>_...` (one job's, see pipeline/output.py)."""
     folder = Path(output)
     if not folder.is_dir():
         return []
     return sorted(
         p
         for p in folder.iterdir()
-        if p.is_file() and p.suffix == ".parquet" and not p.name.startswith((".", "_"))
+        if p.is_file()
+        and p.suffix == ".parquet"
+        and not p.name.startswith((".", "_"))
+        and (prefix is None or p.name.startswith(prefix + "_"))
     )
 
 
-def scan_output(output: str | Path) -> OutputState:
-    """Read the ids already written; delete files a killed run left incomplete."""
+def scan_output(output: str | Path, prefix: str) -> OutputState:
+    """Read the ids in this job's files (named `<prefix>_...parquet`); delete those of its
+    files a killed run left incomplete. Every other file is left alone and named in a
+    warning: only what the job wrote is ever read back or deleted."""
     import pyarrow.parquet as pq
 
     if Path(output).exists() and not Path(output).is_dir():
-        raise ValueError(f"output {str(output)!r} exists and is not a folder")
+        raise ValueError(f"--output {str(output)!r} is a file, not a folder")
     files: list[str] = []
     removed: list[str] = []
     done: set[str] = set()
-    for path in data_files(output):
+    for path in data_files(output, prefix):
         try:
             parquet = pq.ParquetFile(path)
         except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a cut file
@@ -76,11 +86,38 @@ def scan_output(output: str | Path) -> OutputState:
             continue
         if stage.ID not in parquet.schema_arrow.names:
             raise ValueError(
-                f"output folder {str(output)!r} holds {path.name} without an {stage.ID!r} column: "
-                "it is not this job's output; choose another folder"
+                f"--output {str(output)!r}: {path.name} is named as this job's but has no "
+                f"{stage.ID!r} column; the folder's state is damaged: choose another folder"
             )
         done.update(parquet.read(columns=[stage.ID]).column(stage.ID).to_pylist())
         files.append(str(path))
+    foreign = _foreign(output, prefix)
+    if foreign:
+        shown = ", ".join(foreign[:10]) + (
+            f" and {len(foreign) - 10} more" if len(foreign) > 10 else ""
+        )
+        logger.warning(
+            "--output %s holds %d files this job did not write, left alone (readers of the "
+            "folder will see them too): %s",
+            output,
+            len(foreign),
+            shown,
+        )
     if files:
         logger.info("resuming: %d rows already in %d files of %s", len(done), len(files), output)
-    return OutputState(tuple(files), frozenset(done), tuple(removed))
+    return OutputState(tuple(files), frozenset(done), tuple(removed), tuple(foreign))
+
+
+def _foreign(output: str | Path, prefix: str) -> list[str]:
+    folder = Path(output)
+    if not folder.is_dir():
+        return []
+    own = {LOCK_FILE, STATE_FILE, SUMMARY_FILE, REPORT_FILE}
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if not p.name.startswith(".")
+        and p.name not in own
+        and not p.name.startswith(LOCK_FILE + ".stale-")
+        and not (p.name.startswith(prefix + "_") and p.name.endswith(".parquet"))
+    )

@@ -75,23 +75,30 @@ def test_missing_column_names_the_existing_ones():
         check_columns(["doc", "id"], {"doc": "x", "query": "used by the template"}, "in.parquet")
 
 
-def test_scan_output_reads_ids_and_removes_cut_files(tmp_path):
-    assert scan_output(tmp_path / "nothing-yet").done_ids == frozenset()
-    pq.write_table(pa.table({"id": ["a", "b"], "x": [1, 2]}), tmp_path / "w1_000000-0.parquet")
-    pq.write_table(pa.table({"id": ["c"], "x": [3]}), tmp_path / "w1_000001-0.parquet")
-    whole = (tmp_path / "w1_000001-0.parquet").read_bytes()
-    (tmp_path / "w1_000002-0.parquet").write_bytes(whole[: len(whole) // 2])  # a killed write
+def test_scan_output_reads_ids_and_removes_only_its_own_cut_files(tmp_path):
+    prefix = "raypack-abc123"
+    assert scan_output(tmp_path / "nothing-yet", prefix).done_ids == frozenset()
+    pq.write_table(pa.table({"id": ["a", "b"], "x": [1, 2]}), tmp_path / f"{prefix}_w1_0-0.parquet")
+    pq.write_table(pa.table({"id": ["c"], "x": [3]}), tmp_path / f"{prefix}_w1_1-0.parquet")
+    whole = (tmp_path / f"{prefix}_w1_1-0.parquet").read_bytes()
+    (tmp_path / f"{prefix}_w1_2-0.parquet").write_bytes(whole[: len(whole) // 2])  # a killed write
+    (tmp_path / "users-own.parquet").write_bytes(whole[: len(whole) // 2])  # not this job's
+    pq.write_table(pa.table({"id": ["z"]}), tmp_path / "raypack-other_w1_0-0.parquet")
     (tmp_path / "_summary.json").write_text("{}")
-    state = scan_output(tmp_path)
+    state = scan_output(tmp_path, prefix)
     assert state.done_ids == {"a", "b", "c"}
-    assert [p.rsplit("/", 1)[1] for p in state.removed] == ["w1_000002-0.parquet"]
-    assert len(data_files(tmp_path)) == 2
+    assert [p.rsplit("/", 1)[1] for p in state.removed] == [f"{prefix}_w1_2-0.parquet"]
+    assert state.foreign == ("raypack-other_w1_0-0.parquet", "users-own.parquet")
+    assert (tmp_path / "users-own.parquet").exists()
+    assert len(data_files(tmp_path, prefix)) == 2
+    assert len(data_files(tmp_path)) == 4
 
 
-def test_scan_output_refuses_a_foreign_folder(tmp_path):
+def test_scan_output_leaves_a_foreign_folder_alone(tmp_path):
     pq.write_table(pa.table({"x": [1]}), tmp_path / "data.parquet")
-    with pytest.raises(ValueError, match="not this job's output"):
-        scan_output(tmp_path)
+    state = scan_output(tmp_path, "raypack-abc123")
+    assert state.done_ids == frozenset() and state.foreign == ("data.parquet",)
+    assert (tmp_path / "data.parquet").exists()
     (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match="not a folder"):
-        scan_output(tmp_path / "file")
+    with pytest.raises(ValueError, match="--output .* is a file"):
+        scan_output(tmp_path / "file", "raypack-abc123")
