@@ -252,7 +252,8 @@ def test_hostile_override_rows_are_error_rows_and_their_shard_generates(
     )
     summary = run_job(config)
     rows = {
-        r["id"]: r for r in pq.read_table(tmp_path / "out", ignore_prefixes=["mine"]).to_pylist()
+        r["id"]: r
+        for r in pq.read_table(tmp_path / "out", ignore_prefixes=[".", "_", "mine"]).to_pylist()
     }
     assert set(rows) == {"ok-1", "ok-2", "ok-3", *EXPECTED_ERRORS}
     for row_id, message in EXPECTED_ERRORS.items():
