@@ -12,6 +12,11 @@ the planner runs, the collector knows every version of every id. Then, per parti
   default), one error row per version naming the others; with `"first"`, the version
   registered first is generated and the others dropped with a warning and counted.
 
+The others are named by a preview of the row (its JSON, cut at 120 characters) when one was
+taken: the id stage sends previews of its rows whose id already has another version, so a
+version read before any other is named by its content hash only (keeping a preview of
+every row in the collector would double its memory).
+
 With `--no-prefix-grouping` there is no shuffle and so no barrier: a version planned before
 another version of its id was read is generated, and only the later ones become error rows
 (still none is dropped silently).
@@ -88,7 +93,7 @@ def resolve(batch: pa.Table, versions: Versions, on_duplicate: str) -> tuple[pa.
 
 
 def _message(row_id: str, content: str, versions: Sequence[tuple[str, str | None]]) -> str:
-    others = [p or f"a row with content hash {h}" for h, p in versions if h != content]
+    others = [p or f"a row read earlier (content hash {h})" for h, p in versions if h != content]
     return (
         f"id {row_id!r} is used by {len(versions)} input rows with different content, so "
         f"none of them is generated (ids must name one row each: fix the input, or pass "

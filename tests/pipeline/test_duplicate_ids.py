@@ -73,9 +73,14 @@ def test_repeated_ids_identical_once_different_never_silently_dropped(
         assert sorted(r["text"] for r in rows) == sorted(t for i, t in ROWS if i == repeated)
         errors = [r["error"] for r in rows]
         if grouping:  # the shuffle is a barrier: every version is known, each an error row
-            for row, error in zip(rows, errors, strict=True):
-                other = next(t for i, t in ROWS if i == repeated and t != row["text"])
-                assert "with different content" in error and other[:40] in error, error
+            assert all("2 input rows with different content" in e for e in errors), errors
+            # A version read in a later block than the first is described by its text (the
+            # first version only by its content hash: see pipeline/dedupe.py).
+            named = [
+                next(t for i, t in ROWS if i == repeated and t != row["text"])[:40] in error
+                for row, error in zip(rows, errors, strict=True)
+            ]
+            assert any(named), errors
         else:  # no barrier: the version planned later is an error row at least
             assert any(e and "with different content" in e for e in errors), errors
     assert summary.duplicate_rows == 1  # c's identical copy
