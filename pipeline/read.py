@@ -156,17 +156,19 @@ def read_dataset(
     import ray.data
 
     paths = list(source.paths)
+    # The paths are already resolved and the format decided (--input-format overrides the file
+    # names): Ray Data must not drop files whose extension does not match the format.
     if source.format == "parquet":
-        ds = ray.data.read_parquet(paths, num_cpus=num_cpus)
+        ds = ray.data.read_parquet(paths, num_cpus=num_cpus, file_extensions=None)
     elif source.format == "jsonl":
-        ds = ray.data.read_json(paths, lines=True, num_cpus=num_cpus)
+        ds = ray.data.read_json(paths, lines=True, num_cpus=num_cpus, file_extensions=None)
     elif source.format == "csv":
         import pyarrow.csv
 
         # pyarrow splits CSV into blocks at newlines unless told values may hold them.
         multiline = checked is None or checked.csv_multiline_values
         parse = pyarrow.csv.ParseOptions(newlines_in_values=multiline)
-        ds = ray.data.read_csv(paths, num_cpus=num_cpus, parse_options=parse)
+        ds = ray.data.read_csv(paths, num_cpus=num_cpus, parse_options=parse, file_extensions=None)
     else:
         ds = ray.data.from_huggingface(_load_hf(paths[0], hf_split))
     return ds.repartition(target_num_rows_per_block=rows_per_block)
