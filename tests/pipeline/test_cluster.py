@@ -71,9 +71,28 @@ def test_resume_after_killed_driver_has_no_duplicates_or_gaps(
     config = make_config(prompt_table, tiny_model_dir, output, max_rows_per_shard=2)
     config = config.__class__(**{**config.__dict__, "sampling": SamplingParams(max_tokens=24)})
     summary = run_job(config)
-    assert set(read_output(output)) == {r["id"] for r in rows()}  # every id, each once
+    out = read_output(output)
+    assert set(out) == {r["id"] for r in rows()}  # every id, each once
     assert summary.rows_skipped == written
     assert summary.rows == len(rows()) - written
+    # the rows of both runs are right: ids and text equal Hugging Face's on each prompt alone
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.actors.reference import hf_greedy, torch_threads
+    from tests.pipeline.data import MALFORMED
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch_threads(1):
+        for row in rows():
+            if row["id"] in MALFORMED:
+                continue
+            ids = tokenizer.encode(TEMPLATE.format(**row), add_special_tokens=False)
+            expected = hf_greedy(model, ids, row["max_tokens"] or 24)
+            got = out[row["id"]]
+            assert got["generated_token_ids"] == expected, row["id"]
+            assert got["generated_text"] == tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def _complete(path: Path) -> bool:
