@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 
@@ -22,10 +20,9 @@ def test_worker_killed_mid_step_fails_loudly(
     engine = LLMEngine(engine_config(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp))
     executor = engine.runner
     ray.get(executor.workers[stage][rank].crash_at_step.remote(3))
-    started = time.monotonic()
+    # No hang: the test's timeout is the guard (no wall-clock bound asserted).
     with pytest.raises(WorkerFailedError, match=f"stage {stage} tp rank {rank} failed in step 3"):
         engine.generate(prompts, SamplingParams(max_tokens=4), groups)
-    assert time.monotonic() - started < 90
     with pytest.raises(WorkerFailedError, match="shut down"):  # no half-alive engine
         engine.step()
         engine.step()

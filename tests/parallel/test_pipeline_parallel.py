@@ -109,18 +109,15 @@ def test_compiled_graph_worker_killed_mid_step_fails_loudly(
 ) -> None:
     """Through the compiled graph too, a stage that dies mid-step is a WorkerFailedError that
     names it and the step, the engine refuses further steps, and the group is released."""
-    import time
-
     from actors import LLMEngine, SamplingParams
     from actors.parallel.executor import WorkerFailedError
 
     prompts, groups = prompts_and_groups
     engine = LLMEngine(engine_config(llama_dir, pipeline_parallel_size=2), compiled_graph=True)
     ray.get(engine.runner.workers[1][0].crash_at_step.remote(3))
-    started = time.monotonic()
+    # No hang: the test's timeout is the guard (no wall-clock bound asserted).
     with pytest.raises(WorkerFailedError, match="stage 1 tp rank 0 failed in step 3"):
         engine.generate(prompts, SamplingParams(max_tokens=4), groups)
-    assert time.monotonic() - started < 90
     with pytest.raises(WorkerFailedError, match="shut down"):
         engine.step()
         engine.step()
