@@ -4,13 +4,13 @@ name where keys come from; a missing key file is an error, never an open server.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from actors.loader import load_tokenizer
+from pipeline.commands.serve import parse_args
 from pipeline.serve.auth import load_api_keys
 from pipeline.serve.cli import serve_config_from_args
 from pipeline.serve.errors import APIError
@@ -21,11 +21,8 @@ CONTEXT = 512
 
 
 def serve_args(*flags: str):  # noqa: ANN201
-    """jobs/serve.py's parse_args on these flags (jobs/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("serve_job", ROOT / "jobs" / "serve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.parse_args(["--model", "smollm2", *flags])
+    """`raypack serve`'s (and jobs/serve.py's) parse_args on these flags."""
+    return parse_args(["--model", "smollm2", *flags])
 
 
 @pytest.fixture(scope="module")
