@@ -56,6 +56,8 @@ class StepHandle:
 class ParallelExecutor:
     """`execute` / `copy_blocks` like `ModelRunner`, over tp x pp worker actors."""
 
+    root_cause_grace_s = 5.0  # how long a failed step waits for a peer's death to surface
+
     def __init__(
         self,
         config: EngineConfig,
@@ -167,9 +169,29 @@ class ParallelExecutor:
                 try:
                     ray.get(ref)
                 except (ray.exceptions.RayError, RuntimeError) as error:
+                    ref, error = self._root_cause(ref, error, pending)
                     self._fail(f"{names[ref]} failed in step {handle.step}: {error}", error)
         logits = ray.get(handle.logits)
         return handle.sampling, logits
+
+    def _root_cause(
+        self, ref: ray.ObjectRef, error: BaseException, pending: list[ray.ObjectRef]
+    ) -> tuple[ray.ObjectRef, BaseException]:
+        """The failure to report when one worker's step failed: a worker whose process died
+        is the cause, and its peers' errors (a collective cut off by the dead peer, e.g.
+        gloo's 'Connection closed by peer') are consequences. Which of them Ray reports first
+        is a race, so the still-pending steps get a short grace to report a dead process."""
+        if isinstance(error, ray.exceptions.ActorDiedError) or not pending:
+            return ref, error
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=self.root_cause_grace_s)
+        for other in ready:
+            try:
+                ray.get(other)
+            except ray.exceptions.ActorDiedError as died:
+                return other, died
+            except (ray.exceptions.RayError, RuntimeError):
+                continue
+        return ref, error
 
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Run one step to completion (the engine's synchronous path)."""
