@@ -1,12 +1,12 @@
 """Run the offline job on a simulated two-node cluster (ray.cluster_utils.Cluster). Run as a
 script by test_cluster.py (a process can hold one Ray connection; the test's own Ray is another).
 
-    python tests/pipeline/two_node_job.py TABLE MODEL_DIR OUTPUT [dp|pp]
+    python tests/pipeline/two_node_job.py TABLE MODEL_DIR OUTPUT
 
-dp: each node has one fake GPU, so the two engine actors land on different nodes.
-pp: one engine actor with a pipeline-parallel engine (pp=2, STRICT_SPREAD), its two stages on
-the two nodes; the same job on a single-process engine first, into OUTPUT/reference, to
-compare with. Prints a JSON line: node count, rows, and (pp) each stage's node.
+Each node has one fake GPU. First OUTPUT/dp: two engine actors, which land on different
+nodes. Then OUTPUT/pp: one engine actor with a pipeline-parallel engine (pp=2, STRICT_SPREAD)
+whose two stages are on the two nodes. One cluster serves both (starting one is the slow
+part). Prints a JSON line: node count, each job's rows, and each pp stage's node.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def node_recording_stage(record: Path):  # noqa: ANN201 (an InferStage subclass)
     return RecordNodes
 
 
-def main(table: str, model_dir: str, output: str, mode: str = "dp") -> None:
-    """Start the cluster, run the job, print the summary and the node count as JSON."""
+def main(table: str, model_dir: str, output: str) -> None:
+    """Start the cluster, run both jobs, print their row counts and the node count as JSON."""
     # Cluster ignores its temp-dir arguments (NOTES-ray): RAY_TMPDIR, with ray/ in it, works.
     temp_dir = tempfile.mkdtemp(prefix="rpc", dir="/tmp")
     os.makedirs(os.path.join(temp_dir, "ray"))
@@ -57,34 +57,25 @@ def main(table: str, model_dir: str, output: str, mode: str = "dp") -> None:
         initialize_head=True,
         head_node_args={"num_cpus": 2, "resources": {"fake_gpu": 1}, "include_dashboard": False},
     )
-    cluster.add_node(num_cpus=1, resources={"fake_gpu": 1} if mode == "dp" else {})
+    cluster.add_node(num_cpus=1, resources={"fake_gpu": 1})
     try:
         ray.init(address=cluster.address)
         from pipeline.job import run_job
 
-        result: dict = {}
-        if mode == "dp":
-            config = make_config(
-                Path(table), Path(model_dir), Path(output), num_actors=2, max_rows_per_shard=6
-            )
-            summary = run_job(config)
-        else:
-            reference = Path(output) / "reference"
-            run_job(parallel_config(Path(table), Path(model_dir), reference))
-            config = parallel_config(Path(table), Path(model_dir), Path(output) / "pp", pp=2)
-            config = replace(
-                config, engine=replace(config.engine, placement_strategy="STRICT_SPREAD")
-            )
-            record = Path(output) / "stage_nodes.json"
-            summary = run_job(config, infer_cls=node_recording_stage(record))
-            result["stage_nodes"] = json.loads(record.read_text())
-        result["nodes"] = sum(1 for n in ray.nodes() if n["Alive"])
-        result["rows"] = summary.rows
+        result: dict = {"nodes": sum(1 for n in ray.nodes() if n["Alive"])}
+        dp = make_config(
+            Path(table), Path(model_dir), Path(output) / "dp", num_actors=2, max_rows_per_shard=6
+        )
+        result["dp_rows"] = run_job(dp).rows
+        pp = parallel_config(Path(table), Path(model_dir), Path(output) / "pp", pp=2)
+        pp = replace(pp, engine=replace(pp.engine, placement_strategy="STRICT_SPREAD"))
+        record = Path(output) / "stage_nodes.json"
+        result["pp_rows"] = run_job(pp, infer_cls=node_recording_stage(record)).rows
+        result["stage_nodes"] = json.loads(record.read_text())
         print(json.dumps(result))
     finally:
         ray.shutdown()
         cluster.shutdown()
 
-
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:4])
