@@ -22,7 +22,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 def parallel_config(table: Path, model_dir: Path, output: Path, tp: int = 1, pp: int = 1, **kw):
     """make_config's job with a tp x pp engine of 0.25-CPU workers (four fit on two cores)."""
-    config = make_config(table, model_dir, output, max_rows_per_shard=8)
+    # One partition: these tests are about the tp x pp engines, not the keyed shuffle (whose
+    # aggregator actors cost seconds per job on two cores; test_job and two_node_job cover it).
+    config = make_config(table, model_dir, output, max_rows_per_shard=8, num_partitions=1)
     engine = replace(
         config.engine, tensor_parallel_size=tp, pipeline_parallel_size=pp, worker_num_cpus=0.25
     )

@@ -77,5 +77,6 @@ def main(table: str, model_dir: str, output: str) -> None:
         ray.shutdown()
         cluster.shutdown()
 
+
 if __name__ == "__main__":
     main(*sys.argv[1:4])
