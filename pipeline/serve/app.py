@@ -8,7 +8,10 @@ so nothing lives at module level.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,10 +24,10 @@ from packing.admission import AdmissionConfig
 from pipeline.serve.auth import check_api_key, load_api_keys
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.errors import APIError
-from pipeline.serve.guard import GuardMiddleware
+from pipeline.serve.guard import GuardLimits, GuardMiddleware
 from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.protocol import HealthResponse
-from pipeline.serve.service import OpenAIService
+from pipeline.serve.service import OpenAIService, Prepared
 from pipeline.serve.staging import EngineLoop
 
 logger = logging.getLogger(__name__)
@@ -39,8 +42,22 @@ def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = 
     api = FastAPI(
         title="raypack", summary="OpenAI-compatible serving", docs_url=None, redoc_url=None
     )
-    api.add_middleware(GuardMiddleware)
-    max_body = service.config.max_body_bytes
+    config = service.config
+    limits = GuardLimits(
+        max_body_bytes=config.max_body_bytes,
+        body_timeout_s=config.body_timeout_s,
+        max_slow_bodies_per_client=config.max_slow_bodies_per_client,
+        max_slow_bodies=config.max_slow_bodies,
+        max_requests_per_client=config.max_requests_per_client,
+    )
+    on_reject = metrics.record_rejected if metrics is not None else None
+    api.add_middleware(GuardMiddleware, limits=limits, on_reject=on_reject)  # type: ignore[arg-type]
+    # Parsing, the chat template and tokenizing take up to seconds for a large body: off the
+    # event loop, so streams and /health go on meanwhile (a few threads: it is CPU work).
+    prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
+
+    async def prepared_in_thread(prepare: Callable[[bytes], Prepared], body: bytes) -> Prepared:
+        return await asyncio.get_running_loop().run_in_executor(prepare_pool, prepare, body)
 
     @api.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:
@@ -56,15 +73,7 @@ def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = 
 
     async def authorized_body(request: Request) -> bytes:
         check_api_key(request.headers.get("authorization"), api_keys)
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body:
-            raise _too_large(int(declared), max_body)
-        body = bytearray()
-        async for piece in request.stream():  # a body without a length is cut off at the limit
-            body.extend(piece)
-            if len(body) > max_body:
-                raise _too_large(len(body), max_body)
-        return bytes(body)
+        return await request.body()  # GuardMiddleware has read it, within its size and time
 
     @api.get("/health")
     async def health() -> HealthResponse:
@@ -85,12 +94,14 @@ def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = 
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        prepared = service.prepare_completion(await authorized_body(request))
+        body = await authorized_body(request)
+        prepared = await prepared_in_thread(service.prepare_completion, body)
         return await _answer(service, prepared)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        prepared = service.prepare_chat(await authorized_body(request))
+        body = await authorized_body(request)
+        prepared = await prepared_in_thread(service.prepare_chat, body)
         return await _answer(service, prepared)
 
     return api
@@ -106,13 +117,7 @@ async def _answer(service: OpenAIService, prepared: Any) -> Response:
     return JSONResponse(body.model_dump())
 
 
-def _too_large(size: int, limit: int) -> APIError:
-    return APIError(
-        413, f"the request body has {size} bytes; the limit is {limit}", code="body_too_large"
-    )
-
-
-@serve.deployment(name="raypack-openai", max_ongoing_requests=512, health_check_timeout_s=60)
+@serve.deployment(name="raypack-openai", health_check_timeout_s=60)
 @serve.ingress()
 class OpenAIDeployment:
     """One replica: an engine, its staging queue and admission controller, and the HTTP API."""
@@ -172,7 +177,7 @@ def build_app(config: ServeConfig) -> Application:
     `user_config` in a `serve deploy` config file, which Serve applies in place).
     """
     deployment = OpenAIDeployment.options(  # type: ignore[attr-defined]
-        max_ongoing_requests=config.max_ongoing_requests,
+        max_ongoing_requests=config.ongoing_limit,
         ray_actor_options={"num_cpus": config.num_cpus},
         **placement_options(config),
     )

@@ -71,6 +71,30 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--api-keys-file", default=None, help="file with one API key per line")
     group.add_argument("--num-cpus", type=float, default=d.num_cpus, help="CPUs for the replica")
+    group.add_argument(
+        "--body-timeout-s", type=float, default=d.body_timeout_s, help="whole body within (408)"
+    )
+    group.add_argument(
+        "--max-slow-bodies-per-client",
+        type=int,
+        default=d.max_slow_bodies_per_client,
+        help="bodies still arriving per client address (429 beyond)",
+    )
+    group.add_argument(
+        "--max-slow-bodies", type=int, default=d.max_slow_bodies, help="slow bodies in all"
+    )
+    group.add_argument(
+        "--max-requests-per-client",
+        type=int,
+        default=None,
+        help="requests in progress per client address (429 beyond); default: no cap",
+    )
+    group.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        default=None,
+        help="Serve's max_ongoing_requests; default: staging + engine + slow bodies + 64",
+    )
 
 
 def admission_from_args(args: argparse.Namespace, **overrides: object) -> AdmissionConfig:
@@ -109,4 +133,9 @@ def serve_config_from_args(
         api_keys_env=args.api_keys_env or None,
         api_keys_file=args.api_keys_file,
         num_cpus=args.num_cpus,
+        body_timeout_s=args.body_timeout_s,
+        max_slow_bodies_per_client=args.max_slow_bodies_per_client,
+        max_slow_bodies=args.max_slow_bodies,
+        max_requests_per_client=args.max_requests_per_client,
+        max_ongoing_requests=args.max_ongoing_requests,
     )

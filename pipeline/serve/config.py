@@ -36,16 +36,39 @@ class ServeConfig:
     api_keys_env: str | None = API_KEYS_ENV
     # File with one API key per line ('#' starts a comment).
     api_keys_file: str | None = None
-    # Requests the deployment accepts at once (Ray Serve's max_ongoing_requests).
-    max_ongoing_requests: int = 512
+    # Seconds a request's whole body may take to arrive (408 beyond).
+    body_timeout_s: float = 10.0
+    # Requests whose body is still arriving after its headers (slow bodies), per client address
+    # and in all; one more is a 429 at once (pipeline/serve/guard.py).
+    max_slow_bodies_per_client: int = 16
+    max_slow_bodies: int = 64
+    # Requests in progress per client address (429 beyond); None: no cap (behind a load
+    # balancer every client has its address).
+    max_requests_per_client: int | None = None
+    # Requests the deployment accepts at once (Ray Serve's max_ongoing_requests); None: room for
+    # a full staging queue, a full engine, the slow bodies and 64 more (e.g. /health), so the
+    # replica answers 429 itself and Serve never queues /health behind held requests.
+    max_ongoing_requests: int | None = None
     # CPUs reserved for the replica's actor.
     num_cpus: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("max_waiting", "max_body_bytes", "max_tokens_limit", "max_ongoing_requests"):
+        for name in (
+            "max_waiting",
+            "max_body_bytes",
+            "max_tokens_limit",
+            "max_slow_bodies_per_client",
+            "max_slow_bodies",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("max_ongoing_requests", "max_requests_per_client"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 (or None), got {value!r}")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
@@ -57,6 +80,13 @@ class ServeConfig:
             )
         if self.num_cpus < 0:
             raise ValueError(f"num_cpus must be >= 0, got {self.num_cpus}")
+
+    @property
+    def ongoing_limit(self) -> int:
+        """Serve's max_ongoing_requests for the replica (see max_ongoing_requests)."""
+        if self.max_ongoing_requests is not None:
+            return self.max_ongoing_requests
+        return self.max_waiting + self.engine.max_num_seqs + self.max_slow_bodies + 64
 
     @property
     def model_name(self) -> str:

@@ -1,9 +1,10 @@
 """A live local Ray Serve instance on a free loopback port with three apps on one tiny model.
 
 - `main` at /: aimd admission, small limits, used by most tests.
-- `auth` at /auth: the same, behind API keys read from a file.
-- `held` at /held: a fixed window that holds requests (until its test switches the policy)
-  and a staging queue of 2 (for 429).
+- `auth` at /auth: the same, behind API keys read from a file, taking 48 requests at once.
+- `held` at /held: a fixed window that holds requests (until its test switches the policy),
+  a staging queue of 2 (for 429), and a 2 MiB body limit (a 1 MB prompt reaches the tokenizer).
+All three give a request's body 3 s to arrive (408 beyond).
 
 Ray runs in a fresh temporary directory, started once per test session of this folder.
 """
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 MODEL = "tiny"
 API_KEY = "sk-test-123"
 HOLD_S = 600.0  # never expires within a test: the 429 test releases by switching policy
+BODY_TIMEOUT_S = 3.0  # a whole body within this (408 beyond)
+HELD_MAX_BODY = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -89,19 +92,26 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         common = dict(
             engine=engine,
             served_model_name=MODEL,
-            max_body_bytes=16_384,
             max_tokens_limit=400,
             num_cpus=0.2,
             api_keys_env=None,
+            body_timeout_s=BODY_TIMEOUT_S,
         )
         aimd = AdmissionConfig(policy="aimd", max_wait_s=0.05, ttft_low_s=0.05, ttft_high_s=0.2)
         apps = {
-            "main": ServeConfig(admission=aimd, **common),  # type: ignore[arg-type]
-            "auth": ServeConfig(admission=aimd, api_keys_file=str(keys), **common),  # type: ignore[arg-type]
+            "main": ServeConfig(admission=aimd, max_body_bytes=16_384, **common),  # type: ignore[arg-type]
+            "auth": ServeConfig(  # type: ignore[arg-type]
+                admission=aimd,
+                max_body_bytes=16_384,
+                api_keys_file=str(keys),
+                max_ongoing_requests=48,  # fewer than tests/serve/test_slow_clients.py holds
+                **common,
+            ),
             "held": ServeConfig(  # type: ignore[arg-type]
                 admission=AdmissionConfig(policy="fixed", window_requests=100, window_s=HOLD_S),
                 max_waiting=2,
                 retry_after_s=3,
+                max_body_bytes=HELD_MAX_BODY,  # room for a 1 MB prompt (tokenized, then a 400)
                 **common,
             ),
         }
