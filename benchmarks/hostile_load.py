@@ -50,16 +50,29 @@ def free_port() -> int:
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    """p50, p95 and max of latencies."""
+    """p50, p95, p99 and max of latencies."""
     if not values:
         return {}
     ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
     return {
         "n": len(ordered),
         "p50": round(statistics.median(ordered), 3),
-        "p95": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3),
+        "p95": at(0.95),
+        "p99": at(0.99),
         "max": round(ordered[-1], 3),
     }
+
+
+def error_code(payload: bytes) -> str:
+    """The OpenAI error code of an error body ('' for a success or a body not ours)."""
+    try:
+        return str(json.loads(payload).get("error", {}).get("code", ""))
+    except (ValueError, AttributeError):
+        return ""
 
 
 async def slow_body(port: int, statuses: list[int]) -> None:
@@ -113,15 +126,15 @@ async def phase(base: str, port: int, args: argparse.Namespace, hostile: bool) -
                 health.append(time.monotonic() - start)
                 await asyncio.sleep(0.1)
 
-        async def normal(i: int) -> tuple[int, float]:
+        async def normal(i: int) -> tuple[int, float, str]:
             body = {"model": "served", "prompt": f"Request {i} says", "max_tokens": args.max_tokens}
             start = time.monotonic()
             try:
                 async with session.post(f"{base}/v1/completions", json=body) as response:
-                    await response.read()
-                    return response.status, time.monotonic() - start
-            except aiohttp.ClientError:
-                return -1, time.monotonic() - start
+                    payload = await response.read()
+                    return response.status, time.monotonic() - start, error_code(payload)
+            except aiohttp.ClientError as exc:
+                return -1, time.monotonic() - start, type(exc).__name__
 
         poller = asyncio.create_task(poll_health())
         hostile_tasks: list[asyncio.Task[None]] = []
@@ -140,14 +153,15 @@ async def phase(base: str, port: int, args: argparse.Namespace, hostile: bool) -
         await asyncio.gather(*hostile_tasks, return_exceptions=True)
         await poller
     statuses: dict[str, int] = {}
-    for status, _ in results:
-        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    for status, _, code in results:
+        key = str(status) if status == 200 else f"{status} {code}"
+        statuses[key] = statuses.get(key, 0) + 1
     slow_counts: dict[str, int] = {}
     for status in slow_statuses:
         slow_counts[str(status)] = slow_counts.get(str(status), 0) + 1
     return {
         "normal_statuses": statuses,
-        "normal_latency_s": summary([latency for _, latency in results]),
+        "normal_latency_s": summary([latency for _, latency, _ in results]),
         "normal_wall_s": round(wall, 3),
         "health_latency_s": summary(health),
         "health_errors": health_errors,

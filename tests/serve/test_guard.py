@@ -99,6 +99,45 @@ def test_a_slow_body_is_408_and_slow_bodies_are_capped_per_client_and_in_all() -
     assert run(call(guard, [b"a", b"b"])) == (200, b"ab")
 
 
+def test_waiting_for_the_first_piece_is_not_a_slow_body() -> None:
+    """A body that arrives whole but late (a loaded proxy's pull) is served even when the
+    client's slow-body slots are full; no body byte at all is a 408 at the timeout."""
+    guard = GuardMiddleware(echo, LIMITS)
+
+    async def late_whole_body() -> tuple[int, bytes]:
+        queue: asyncio.Queue[dict] = asyncio.Queue()
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+        scope["client"] = ("10.0.0.1", 1234)
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async def deliver() -> None:
+            # well past grace_s, but within body_timeout_s
+            while len(guard._slow) == 0 or guard._slow["10.0.0.1"] < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(LIMITS.grace_s * 3)
+            queue.put_nowait({"type": "http.request", "body": b"{}", "more_body": False})
+
+        delivering = asyncio.create_task(deliver())
+        await guard(scope, queue.get, send)
+        await delivering
+        status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+        return status, b"".join(m.get("body", b"") for m in sent if "body" in m)
+
+    async def main() -> list[tuple[int, bytes]]:
+        slow = [call(guard, [b"{"], stall=True) for _ in range(2)]  # the client's two slots
+        return await asyncio.gather(*slow, late_whole_body(), call(guard, [], stall=True))
+
+    results = run(main())
+    assert results[2] == (200, b"{}")
+    assert [status for status, _ in results[:2]] == [408, 408]
+    status, body = results[3]  # headers only, then nothing: waited for, then 408
+    assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout"
+    assert not guard._slow
+
+
 def test_exceptions_are_generic_500s_naming_the_request_id() -> None:
     status, body = run(call(GuardMiddleware(echo, LIMITS), [b"{}"], path="/boom"))
     error = json.loads(body)["error"]
