@@ -3,7 +3,7 @@
     raypack serve --host 127.0.0.1 --port 8000 --model smollm2 --policy aimd
     raypack serve --model /models/llama-8b --tensor-parallel-size 2   # tp x pp engine
 
-Starts a local Ray instance (or joins --address), serves until Ctrl-C. `--port 0` picks a free
+Starts a local Ray instance (or joins --address), serves until Ctrl-C or SIGTERM. `--port 0` picks a free
 port and logs it. With tp x pp > 1 the replica reserves its engine's workers in its own
 placement group (pipeline/serve/app.py). See README "Online serving" for curl and
 openai-client examples.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import threading
 
@@ -56,6 +57,16 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
+def interrupt_on_sigterm() -> None:
+    """SIGTERM stops the server as Ctrl-C does (Serve and Ray shut down, exit 0). Ray's own
+    handler, set by ray.init, would kill its processes without Serve's shutdown and exit 1."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Start Ray and Serve, deploy the app, block until interrupted."""
     logging.basicConfig(
@@ -74,13 +85,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     port = args.port or free_port(args.host)
     ray.init(address=args.address, num_cpus=args.ray_num_cpus, include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": port})
-    serve.run(build_app(config), name="raypack", route_prefix="/")
-    logger.info(
-        "serving %s at http://%s:%d/v1 (policy %s); Ctrl-C stops",
-        config.model_name, args.host, port, config.admission.policy,
-    )  # fmt: skip
-    try:
+    interrupt_on_sigterm()
+    try:  # an interrupt while starting stops as cleanly as one while serving
+        serve.start(http_options={"host": args.host, "port": port})
+        serve.run(build_app(config), name="raypack", route_prefix="/")
+        logger.info(
+            "serving %s at http://%s:%d/v1 (policy %s); Ctrl-C stops",
+            config.model_name, args.host, port, config.admission.policy,
+        )  # fmt: skip
         threading.Event().wait()
     except KeyboardInterrupt:
         logger.info("stopping")
