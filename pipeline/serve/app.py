@@ -1,7 +1,8 @@
 """The Ray Serve deployment: a FastAPI ingress over one engine, its staging queue and step loop.
 
 `build_app(config)` gives a Serve application; `serve.run(build_app(config))` serves
-POST /v1/completions, POST /v1/chat/completions, GET /v1/models and GET /health.
+POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+POST /tokenize, POST /detokenize (vLLM's shapes, pipeline/serve/tokens.py) and GET /health.
 The FastAPI app is built per replica (`__serve_build_asgi_app__`), around that replica's engine,
 so nothing lives at module level.
 """
@@ -29,6 +30,7 @@ from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.protocol import HealthResponse
 from pipeline.serve.service import OpenAIService, Prepared
 from pipeline.serve.staging import EngineLoop
+from pipeline.serve.tokens import detokenize, model_card, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,9 @@ def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = 
 
     async def prepared_in_thread(prepare: Callable[[bytes], Prepared], body: bytes) -> Prepared:
         return await asyncio.get_running_loop().run_in_executor(prepare_pool, prepare, body)
+
+    async def in_thread(work: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(prepare_pool, work)
 
     @api.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:
@@ -91,6 +96,27 @@ def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = 
     async def models(request: Request) -> Response:
         check_api_key(request.headers.get("authorization"), api_keys)
         return JSONResponse(service.models().model_dump())
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        check_api_key(request.headers.get("authorization"), api_keys)
+        return JSONResponse(model_card(model_id, service.models().data[0]).model_dump())
+
+    @api.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        body = await authorized_body(request)
+        answer = await in_thread(
+            lambda: tokenize(body, service.tokenizer, config.model_name, service.max_model_len)
+        )
+        return JSONResponse(answer.model_dump(exclude_none=True))
+
+    @api.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        body = await authorized_body(request)
+        answer = await in_thread(
+            lambda: detokenize(body, service.tokenizer, config.model_name, service.vocab_size)
+        )
+        return JSONResponse(answer.model_dump())
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
