@@ -169,14 +169,14 @@ class ParallelExecutor:
                 try:
                     ray.get(ref)
                 except (ray.exceptions.RayError, RuntimeError) as error:
-                    ref, error = self._root_cause(ref, error, pending)
-                    self._fail(f"{names[ref]} failed in step {handle.step}: {error}", error)
+                    failed, cause = self._root_cause(ref, error, pending)
+                    self._fail(f"{names[failed]} failed in step {handle.step}: {cause}", cause)
         logits = ray.get(handle.logits)
         return handle.sampling, logits
 
     def _root_cause(
-        self, ref: ray.ObjectRef, error: BaseException, pending: list[ray.ObjectRef]
-    ) -> tuple[ray.ObjectRef, BaseException]:
+        self, ref: ray.ObjectRef[Any], error: BaseException, pending: list[ray.ObjectRef[Any]]
+    ) -> tuple[ray.ObjectRef[Any], BaseException]:
         """The failure to report when one worker's step failed: a worker whose process died
         is the cause, and its peers' errors (a collective cut off by the dead peer, e.g.
         gloo's 'Connection closed by peer') are consequences. Which of them Ray reports first
