@@ -25,6 +25,7 @@ from actors.request import PrefixGroupState, Request, RequestStatus
 from actors.sampler import Sampler
 from actors.scheduler import Scheduler
 from actors.stats import EngineStats, StepStats
+from actors.tokenization import encode_text
 
 if TYPE_CHECKING:
     from actors.parallel.executor import ParallelExecutor
@@ -110,7 +111,8 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request; returns its id. A prompt that cannot run (empty, too long for the
+        """Queue a request; returns its id. A text prompt is tokenized as `tokenizer(prompt)`
+        (actors/tokenization.py: the tokenizer's special tokens included). A prompt that cannot run (empty, too long for the
         context, unknown token ids) finishes at once with `finish_reason="error"`."""
         return self._add(prompt, params, request_id, group=None).request_id
 
@@ -249,7 +251,7 @@ class LLMEngine:
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return encode_text(self.tokenizer, prompt)  # as tokenizer(prompt) does
         return [int(t) for t in prompt]
 
     def _add(

@@ -49,7 +49,9 @@ class PromptConfig:
     `template` is `str.format` syntax over column names (`"{document}\\n\\nQ: {query}"`).
     `messages_column` holds chat messages (a list of {"role", "content"}, or that as JSON),
     always rendered with the tokenizer's chat template; `chat` renders a text prompt as one
-    user message (after `system_prompt`, when given) the same way.
+    user message (after `system_prompt`, when given) the same way. Token ids are as Hugging
+    Face makes them (actors/tokenization.py): `tokenizer(text)` for a text prompt,
+    `apply_chat_template(messages, add_generation_prompt=True, tokenize=True)` for a chat.
 
     Sampling overrides come from `override_columns` (columns named like SamplingParams
     fields; None means every input column with such a name) and `sampling_column` (a dict, or
@@ -61,7 +63,9 @@ class PromptConfig:
     messages_column: str | None = None
     chat: bool = False
     system_prompt: str | None = None
-    add_special_tokens: bool = False  # the engine's convention for text prompts
+    # A text prompt gets the tokenizer's special tokens (BOS...) as `tokenizer(text)` adds them;
+    # False leaves them out (vLLM's option). Chat prompts get none on top of the template's.
+    add_special_tokens: bool = True
     override_columns: tuple[str, ...] | None = None
     sampling_column: str | None = None
 

@@ -44,7 +44,10 @@ class ProcessorConfig:
     `str.format` template over the row's columns, e.g. `"{document}\\n\\nQ: {query}"`),
     `messages_column` (chat messages, rendered by the model's chat template) or
     `token_ids_column` (a list of token ids, used as they are). `chat` renders a text prompt as
-    one user message through the chat template, after `system_prompt` when given.
+    one user message through the chat template, after `system_prompt` when given. Text
+    prompts are tokenized as `tokenizer(text)` (the tokenizer's special tokens, e.g. BOS;
+    `add_special_tokens=False` leaves them out), chats as `apply_chat_template(...,
+    tokenize=True)` (actors/tokenization.py).
 
     Defaults: `engine` EngineConfig() (the embedded SmolLM2-135M-Instruct), `sampling`
     SamplingParams() (greedy, max_tokens 16; `logprobs=k` adds the `logprobs` column),
@@ -66,6 +69,7 @@ class ProcessorConfig:
     token_ids_column: str | None = None
     chat: bool = False
     system_prompt: str | None = None
+    add_special_tokens: bool = True
     id_column: str | None = None
     override_columns: tuple[str, ...] = ()
     sampling_column: str | None = None
@@ -123,6 +127,7 @@ class ProcessorConfig:
             messages_column=self.messages_column,
             chat=self.chat,
             system_prompt=self.system_prompt,
+            add_special_tokens=self.add_special_tokens,
             override_columns=self.override_columns,
             sampling_column=self.sampling_column,
         )

@@ -9,18 +9,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 
 from actors.config import SamplingParams
+from actors.tokenization import ChatTemplateError, encode_chat, encode_texts, render_chat
 from pipeline import dedupe, stage
 from pipeline.config import PromptConfig
 from pipeline.stage import Stage
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _INT_FIELDS = {"max_tokens", "top_k", "min_tokens", "seed", "logprobs"}
+Prompt = str | list[dict[str, str]]  # a text prompt, or chat messages
 
 
 class RowError(ValueError):
@@ -94,8 +96,9 @@ class RowIdStage(Stage):
 
 
 class PromptBuilder:
-    """Builds a row's prompt text as `PromptConfig` says; `tokenizer` is needed only when the
-    chat template is used."""
+    """Builds a row's prompt as `PromptConfig` says; `tokenizer` is needed only when the chat
+    template is used. `source` gives what is tokenized (text, or chat messages), `encode`
+    tokenizes such prompts (actors/tokenization.py), `build` gives the prompt's text."""
 
     def __init__(self, config: PromptConfig, tokenizer=None):  # noqa: ANN001 (HF tokenizer)
         if config.uses_chat_template and tokenizer is None:
@@ -104,10 +107,43 @@ class PromptBuilder:
         self.tokenizer = tokenizer
 
     def build(self, row: Mapping[str, Any]) -> str:
-        """The prompt text for one row; RowError when the row cannot make one."""
+        """The prompt text for one row (a chat rendered by its template); RowError when the row
+        cannot make one."""
+        prompt = self.source(row)
+        if isinstance(prompt, str):
+            return prompt
+        try:
+            return render_chat(self.tokenizer, prompt)
+        except ChatTemplateError as exc:  # the template's own checks (roles, order) vary by model
+            raise RowError(f"chat template failed: {exc}") from None
+
+    def encode(self, prompts: Sequence[Prompt]) -> list[list[int] | RowError]:
+        """The token ids of each prompt from `source` (text as `tokenizer(text)`, chats as
+        `apply_chat_template(..., tokenize=True)`), or the RowError of a chat its template
+        rejects. Texts are tokenized in one batched call."""
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        encoded = encode_texts(
+            self.tokenizer,
+            [prompts[i] for i in texts],  # type: ignore[misc]
+            add_special_tokens=self.config.add_special_tokens,
+        )
+        out: list[list[int] | RowError] = [[] for _ in prompts]
+        for i, ids in zip(texts, encoded, strict=True):
+            out[i] = ids
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                try:
+                    out[i] = encode_chat(self.tokenizer, prompt)
+                except ChatTemplateError as exc:
+                    out[i] = RowError(f"chat template failed: {exc}")
+        return out
+
+    def source(self, row: Mapping[str, Any]) -> Prompt:
+        """The row's prompt: its text, or its chat messages; RowError when the row cannot make
+        one."""
         config = self.config
         if config.messages_column:
-            return self._render(_messages(row[config.messages_column], config.messages_column))
+            return _messages(row[config.messages_column], config.messages_column)
         if config.prompt_column:
             text = _text(row[config.prompt_column], config.prompt_column)
         else:
@@ -124,15 +160,7 @@ class PromptBuilder:
         messages = [{"role": "user", "content": text}]
         if config.system_prompt:
             messages.insert(0, {"role": "system", "content": config.system_prompt})
-        return self._render(messages)
-
-    def _render(self, messages: list[dict[str, str]]) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:  # the template's own checks (roles, order) vary by model
-            raise RowError(f"chat template failed: {exc}") from None
+        return messages
 
 
 class SamplingOverrides(dict):

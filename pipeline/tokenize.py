@@ -17,7 +17,13 @@ from actors.config import SamplingParams
 from pipeline import stage
 from pipeline.config import PromptConfig
 from pipeline.logs import setup_worker_logging
-from pipeline.prompts import PromptBuilder, RowError, merge_sampling, sampling_overrides
+from pipeline.prompts import (
+    Prompt,
+    PromptBuilder,
+    RowError,
+    merge_sampling,
+    sampling_overrides,
+)
 from pipeline.stage import Stage
 
 _INT64 = 2**64
@@ -82,34 +88,32 @@ class TokenizeStage(Stage):
         from packing import prefix_key
 
         rows = batch.select(list(dict.fromkeys(self.required_columns()))).to_pylist()
-        texts: list[str | None] = []
+        prompts: list[Prompt | None] = []
         errors: list[str | None] = []
         overrides: list[str | None] = []
         for row in rows:
             try:
-                text = self.builder.build(row)
+                prompt = self.builder.source(row)
                 found = sampling_overrides(row, self.override_columns, self.prompt.sampling_column)
                 merge_sampling(self.sampling, found)  # validate now, not in the engine actor
             except RowError as exc:
-                texts.append(None)
+                prompts.append(None)
                 errors.append(str(exc))
                 overrides.append(None)
                 continue
-            texts.append(text)
+            prompts.append(prompt)
             errors.append(None)
             overrides.append(json.dumps(found, sort_keys=True) if found else None)
 
-        valid = [i for i, t in enumerate(texts) if t is not None]
-        encoded = (
-            self.tokenizer(
-                [texts[i] for i in valid], add_special_tokens=self.prompt.add_special_tokens
-            )["input_ids"]
-            if valid
-            else []
-        )
+        valid = [i for i, p in enumerate(prompts) if p is not None]
+        # As Hugging Face: tokenizer(text), or apply_chat_template(..., tokenize=True).
+        encoded = self.builder.encode([prompts[i] for i in valid])  # type: ignore[misc]
         token_ids: list[list[int]] = [[] for _ in rows]
         num_tokens = [0] * len(rows)
         for i, ids in zip(valid, encoded, strict=True):
+            if isinstance(ids, RowError):
+                errors[i] = str(ids)
+                continue
             num_tokens[i] = len(ids)
             if not ids:
                 errors[i] = "prompt is empty after tokenization"

@@ -26,22 +26,31 @@ ARCHS: dict[str, dict[str, int | str | bool]] = {
 }
 
 
-def tiny_config(arch: str = "llama", num_layers: int = 2, max_position_embeddings: int = 512):
-    """A transformers config for a tiny model of the given architecture."""
+def tiny_config(
+    arch: str = "llama",
+    num_layers: int = 2,
+    max_position_embeddings: int = 512,
+    vocab_size: int = VOCAB,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+    pad_token_id: int = 2,
+):
+    """A transformers config for a tiny model of the given architecture (the SmolLM2
+    vocabulary unless told: tests/tiny_tokenizers.py gives a smaller one)."""
     spec = dict(ARCHS[arch])
     model_type = str(spec.pop("model_type"))
     heads = int(spec["num_attention_heads"])
     head_dim = int(spec["head_dim"])
     kwargs = dict(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=heads * head_dim,
         intermediate_size=2 * heads * head_dim,
         num_hidden_layers=num_layers,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
         **spec,
     )
     if model_type == "mistral":
@@ -49,8 +58,9 @@ def tiny_config(arch: str = "llama", num_layers: int = 2, max_position_embedding
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def tiny_model(arch: str = "llama", seed: int = 0, num_layers: int = 2):
-    """A tiny random model in eval mode (float32, CPU), the same for the same seed.
+def tiny_model(arch: str = "llama", seed: int = 0, num_layers: int = 2, **vocab: int):
+    """A tiny random model in eval mode (float32, CPU), the same for the same seed. `vocab`:
+    tiny_config's vocab_size and special token ids, when not SmolLM2's.
 
     Transformers' default init (std 0.02) leaves attention's contribution to the logits around
     1e-3 next to the wide embeddings below, so a broken attention mask or KV cache could still
@@ -58,7 +68,7 @@ def tiny_model(arch: str = "llama", seed: int = 0, num_layers: int = 2):
     logits by about 0.5: token comparisons then test the attention and KV paths.
     """
     torch.manual_seed(seed)
-    config = tiny_config(arch, num_layers)
+    config = tiny_config(arch, num_layers, **vocab)
     model = AutoModelForCausalLM.from_config(
         config, dtype=torch.float32, attn_implementation="sdpa"
     )

@@ -39,6 +39,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     prompt.add_argument("--system-prompt", help="system message when --chat is used")
     prompt.add_argument(
+        "--no-special-tokens",
+        dest="add_special_tokens",
+        action="store_false",
+        help="tokenize text prompts without the tokenizer's special tokens (BOS...); by default "
+        "a text prompt is tokenized as tokenizer(text)",
+    )
+    prompt.add_argument(
         "--sampling-column", help="column of per-row sampling parameters (dict or JSON)"
     )
     prompt.add_argument(
@@ -66,6 +73,7 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         messages_column=args.messages_column,
         chat=args.chat,
         system_prompt=args.system_prompt,
+        add_special_tokens=args.add_special_tokens,
         sampling_column=args.sampling_column,
         override_columns=overrides,
     )

@@ -100,6 +100,11 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(
         default=None, ge=1, description="Not supported beyond 1: one candidate per request."
     )
+    add_special_tokens: bool = Field(
+        default=True,
+        description="Add the tokenizer's special tokens (e.g. BOS) to a text prompt, as "
+        "tokenizer(prompt) does (vLLM's extra field).",
+    )
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) of the first option set to something this server cannot do."""

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from actors.config import SamplingParams
 from actors.outputs import RequestOutput
+from actors.tokenization import ChatTemplateError, encode_chat, encode_text
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.errors import APIError, bad_request, from_validation_error, internal_error
 from pipeline.serve.protocol import (
@@ -78,7 +79,8 @@ class OpenAIService:
                 )
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))  # as the engine
+            # As the engine and Hugging Face: tokenizer(prompt), special tokens included.
+            ids = encode_text(self.tokenizer, prompt, add_special_tokens=request.add_special_tokens)
         else:
             ids = [int(t) for t in prompt]
             vocab = self.vocab_size
@@ -94,15 +96,12 @@ class OpenAIService:
         """Validate a /v1/chat/completions body and apply the chat template."""
         request = _parse(ChatCompletionRequest, body)
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # noqa: BLE001 (a template may reject a conversation)
+        try:  # as apply_chat_template(..., tokenize=True): no BOS on top of the template's
+            ids = encode_chat(self.tokenizer, messages)
+        except ChatTemplateError as exc:  # a template may reject a conversation
             raise bad_request(
                 f"the chat template rejected the messages: {exc}", "messages"
             ) from exc
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         asked = request.max_completion_tokens or request.max_tokens
         max_tokens = asked or max(
             1, min(self.config.max_tokens_limit, self.max_model_len - len(ids))

@@ -7,9 +7,10 @@ GET /v1/models/{id}.
 
 `model` is optional as in vLLM; a name this server does not serve is a 404. Prompts are
 tokenized as /v1/completions and /v1/chat/completions tokenize them, so `count` is the
-`usage.prompt_tokens` a completion of the same prompt reports. One difference from vLLM:
-`add_special_tokens` defaults to false for a prompt too (vLLM: true), because this server's
-completions encode prompts without special tokens.
+`usage.prompt_tokens` a completion of the same prompt reports. As in vLLM,
+`add_special_tokens` defaults to true for a prompt (the tokenizer's BOS..., as
+`tokenizer(prompt)` and completions add them) and to false for messages (the chat template
+writes its own; true adds the tokenizer's on top). actors/tokenization.py does the encoding.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
+from actors.tokenization import ChatTemplateError, encode_chat, encode_text
 from pipeline.serve.errors import APIError, bad_request, from_validation_error
 from pipeline.serve.protocol import ChatMessage, ModelCard, _Request
 
@@ -29,7 +31,7 @@ class TokenizeCompletionRequest(_Request):
     model: str | None = Field(default=None, description="The served model's name (optional).")
     prompt: str = Field(description="The text to tokenize.")
     add_special_tokens: bool = Field(
-        default=False, description="Add the tokenizer's special tokens (e.g. BOS)."
+        default=True, description="Add the tokenizer's special tokens (e.g. BOS)."
     )
     return_token_strs: bool = Field(default=False, description="Also return each token's text.")
 
@@ -98,16 +100,18 @@ def tokenize(body: bytes, tokenizer: Any, served: str, max_model_len: int) -> To
     if isinstance(request, TokenizeChatRequest):
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False
+            ids = encode_chat(
+                tokenizer,
+                messages,
+                add_generation_prompt=request.add_generation_prompt,
+                add_special_tokens=request.add_special_tokens,
             )
-        except Exception as exc:  # noqa: BLE001 (a template may reject a conversation)
+        except ChatTemplateError as exc:  # a template may reject a conversation
             raise bad_request(
                 f"the chat template rejected the messages: {exc}", "messages"
             ) from exc
     else:
-        text = request.prompt
-    ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=request.add_special_tokens)]
+        ids = encode_text(tokenizer, request.prompt, add_special_tokens=request.add_special_tokens)
     strs = list(tokenizer.convert_ids_to_tokens(ids)) if request.return_token_strs else None
     return TokenizeResponse(
         count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs

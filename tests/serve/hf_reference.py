@@ -29,13 +29,12 @@ class HFReference:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def prompt_ids(self, prompt: str | list[dict[str, str]]) -> list[int]:
-        """A text prompt's ids, or a chat's through the tokenizer's chat template."""
+        """A text prompt's ids as `tokenizer(prompt)`, or a chat's as
+        `apply_chat_template(..., tokenize=True)`."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        text = self.tokenizer.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=False
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            return list(self.tokenizer(prompt)["input_ids"])
+        chat = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        return list(chat["input_ids"])
 
     def greedy(self, prompt: str | list[dict[str, str]], max_tokens: int) -> Expected:
         """Greedy tokens of this prompt alone."""

@@ -1,0 +1,84 @@
+"""Prompts to token ids as Hugging Face makes them: the one place every path tokenizes text.
+
+- A text prompt becomes `tokenizer(text).input_ids`: with the special tokens the tokenizer
+  adds by default (BOS for Llama-, Mistral- and Gemma-style tokenizers, nothing for SmolLM2),
+  so greedy outputs equal `model.generate(**tokenizer(text, return_tensors="pt"))`.
+  `add_special_tokens=False` leaves them out (vLLM's option of that name).
+- Chat messages become `apply_chat_template(messages, add_generation_prompt=True,
+  tokenize=True)`: the template writes BOS where it wants one and nothing is added on top
+  (`add_special_tokens=True` adds the tokenizer's special tokens around it, vLLM's chat option).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Messages = Sequence[Mapping[str, Any]]
+
+
+class ChatTemplateError(ValueError):
+    """The chat template (or the sanitizer) rejected the messages."""
+
+
+def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """`tokenizer(text).input_ids` (the tokenizer's special tokens unless turned off)."""
+    ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    return [int(t) for t in ids]
+
+
+def encode_texts(
+    tokenizer: Any, texts: Sequence[str], *, add_special_tokens: bool = True
+) -> list[list[int]]:
+    """`encode_text` of each text, in one batched call."""
+    if not texts:
+        return []
+    batch = tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+    return [[int(t) for t in ids] for ids in batch]
+
+
+def encode_chat(
+    tokenizer: Any,
+    messages: Messages,
+    *,
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """`apply_chat_template(messages, add_generation_prompt=..., tokenize=True)`.
+    ChatTemplateError when the template rejects the messages."""
+    conversation = [dict(m) for m in messages]
+    try:
+        ids = tokenizer.apply_chat_template(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+        )
+    except Exception as exc:  # noqa: BLE001 (templates raise their own errors for bad roles)
+        raise ChatTemplateError(str(exc) or type(exc).__name__) from exc
+    out = [int(t) for t in ids]
+    if add_special_tokens:
+        prefix, suffix = special_tokens_around(tokenizer)
+        out = prefix + out + suffix
+    return out
+
+
+def render_chat(tokenizer: Any, messages: Messages, *, add_generation_prompt: bool = True) -> str:
+    """The chat template's text for `messages` (for display; `encode_chat` tokenizes)."""
+    try:
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except Exception as exc:  # noqa: BLE001
+        raise ChatTemplateError(str(exc) or type(exc).__name__) from exc
+    return str(text)
+
+
+def special_tokens_around(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a text by default (e.g. ([BOS], []))."""
+    bare = encode_text(tokenizer, "a", add_special_tokens=False)
+    full = encode_text(tokenizer, "a")
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return full[:start], full[start + len(bare) :]
+    return [], []  # a post-processor that rewrites the text itself: add nothing

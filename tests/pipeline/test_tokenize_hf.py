@@ -1,0 +1,87 @@
+"""The job's tokenizer stage (pipeline/tokenize.py, as the job and the processor run it)
+tokenizes as Hugging Face on a tokenizer that adds BOS: text rows as `tokenizer(text)`, chat
+rows as `apply_chat_template(..., tokenize=True)` (one BOS, the template's); and the engine's
+greedy outputs on the stage's ids equal `model.generate(**tokenizer(prompt))` (no Ray)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from actors import EngineConfig, LLMEngine, SamplingParams
+from pipeline import stage
+from pipeline.config import PromptConfig
+from pipeline.tokenize import TokenizeStage
+from tests.actors.reference import assert_greedy_match, torch_threads
+from tests.tiny_models import tiny_model
+from tests.tiny_tokenizers import BOS, model_args, tiny_tokenizer
+
+TEXTS = ["the cat sat on the mat", "in the beginning there was a tokenizer"]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return tiny_tokenizer("bos")
+
+
+def run_stage(tok, config: PromptConfig, columns: dict) -> list[dict]:
+    stage_ = TokenizeStage(
+        config, model="unused", max_model_len=512, sampling=SamplingParams(), tokenizer=tok
+    )
+    ids = [f"r{i}" for i in range(len(next(iter(columns.values()))))]
+    return stage_(pa.table({stage.ID: ids, **columns})).to_pylist()
+
+
+def test_text_rows_are_tokenized_as_the_tokenizer_does(tok) -> None:
+    rows = run_stage(tok, PromptConfig(prompt_column="p"), {"p": TEXTS})
+    for text, row in zip(TEXTS, rows, strict=True):
+        assert row[stage.ERROR] is None
+        assert row[stage.PROMPT_TOKEN_IDS] == tok(text)["input_ids"]
+        assert row[stage.PROMPT_TOKEN_IDS][:2] == [BOS, tok(text)["input_ids"][1]]
+        assert row[stage.NUM_PROMPT_TOKENS] == len(tok(text)["input_ids"])
+    off = run_stage(tok, PromptConfig(prompt_column="p", add_special_tokens=False), {"p": TEXTS})
+    assert [r[stage.PROMPT_TOKEN_IDS] for r in off] == [
+        tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS
+    ]
+
+
+def test_chat_rows_hold_one_bos(tok) -> None:
+    messages = [[{"role": "user", "content": t}] for t in TEXTS]
+    rows = run_stage(tok, PromptConfig(messages_column="m"), {"m": messages})
+    config = PromptConfig(prompt_column="p", chat=True, system_prompt="Be brief.")
+    wrapped = run_stage(tok, config, {"p": TEXTS})
+    for text, m, row, w in zip(TEXTS, messages, rows, wrapped, strict=True):
+        expected = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)
+        assert row[stage.PROMPT_TOKEN_IDS] == expected["input_ids"]
+        assert row[stage.PROMPT_TOKEN_IDS].count(BOS) == 1
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+        expected = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        assert w[stage.PROMPT_TOKEN_IDS] == expected["input_ids"]
+    # A tokenizer without a chat template: an error row, as any template failure.
+    bare = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer)
+    (row,) = run_stage(bare, PromptConfig(messages_column="m"), {"m": messages[:1]})
+    assert "chat template failed" in row[stage.ERROR] and row[stage.PROMPT_TOKEN_IDS] == []
+
+
+@pytest.mark.timeout(300)
+def test_engine_on_the_stages_ids_equals_hf_generate(tok) -> None:
+    rows = run_stage(tok, PromptConfig(prompt_column="p"), {"p": TEXTS})
+    reference = tiny_model("llama", **model_args(tok))
+    engine = LLMEngine(
+        EngineConfig(num_kv_blocks=64), model=tiny_model("llama", **model_args(tok)), tokenizer=tok
+    )
+    with torch_threads(1):
+        outputs = engine.generate(
+            [r[stage.PROMPT_TOKEN_IDS] for r in rows], SamplingParams(max_tokens=MAX_TOKENS)
+        )
+        for text, out in zip(TEXTS, outputs, strict=True):
+            inputs = tok(text, return_tensors="pt")
+            with torch.inference_mode():
+                generated = reference.generate(
+                    **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2
+                )
+            expected = generated[0, inputs["input_ids"].shape[1] :].tolist()
+            assert_greedy_match(reference, inputs["input_ids"][0].tolist(), out.token_ids, expected)
