@@ -7,6 +7,12 @@
 - Chat messages become `apply_chat_template(messages, add_generation_prompt=True,
   tokenize=True)`: the template writes BOS where it wants one and nothing is added on top
   (`add_special_tokens=True` adds the tokenizer's special tokens around it, vLLM's chat option).
+- Text inside messages never becomes a control token: when a message holds the text of an
+  added token (`<|im_end|>`), Hugging Face's `sanitize_control_tokens` encodes it as plain text,
+  so a user cannot close their turn and forge a system one. Messages without such text take
+  the plain path, so their ids are exactly Hugging Face's. `allow_special_tokens=True` (an
+  operator's opt-in: `allow_special_tokens_in_messages` of the job and of Serve) gives Hugging
+  Face's default for every message.
 """
 
 from __future__ import annotations
@@ -43,16 +49,21 @@ def encode_chat(
     *,
     add_generation_prompt: bool = True,
     add_special_tokens: bool = False,
+    allow_special_tokens: bool = False,
 ) -> list[int]:
-    """`apply_chat_template(messages, add_generation_prompt=..., tokenize=True)`.
-    ChatTemplateError when the template rejects the messages."""
+    """`apply_chat_template(messages, add_generation_prompt=..., tokenize=True)`, with
+    message text that spells a control token encoded as plain text unless
+    `allow_special_tokens`. ChatTemplateError when the template rejects the messages."""
     conversation = [dict(m) for m in messages]
+    sanitize = not allow_special_tokens and _holds_added_token(tokenizer, conversation)
+    extra = {"sanitize_control_tokens": True} if sanitize else {}
     try:
         ids = tokenizer.apply_chat_template(
             conversation,
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             return_dict=False,
+            **extra,
         )
     except Exception as exc:  # noqa: BLE001 (templates raise their own errors for bad roles)
         raise ChatTemplateError(str(exc) or type(exc).__name__) from exc
@@ -82,3 +93,22 @@ def special_tokens_around(tokenizer: Any) -> tuple[list[int], list[int]]:
         if full[start : start + len(bare)] == bare:
             return full[:start], full[start + len(bare) :]
     return [], []  # a post-processor that rewrites the text itself: add nothing
+
+
+def _holds_added_token(tokenizer: Any, conversation: list[dict[str, Any]]) -> bool:
+    """Whether any text of the messages spells an added token (the only text the sanitizer
+    changes; all other messages are encoded exactly as Hugging Face's plain path does)."""
+    added = [t for t in tokenizer.get_added_vocab() if t]
+    if not added:
+        return False
+    return any(token in text for text in _strings(conversation) for token in added)
+
+
+def _strings(obj: Any) -> list[str]:
+    if isinstance(obj, str):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [s for v in obj.values() for s in _strings(v)]
+    if isinstance(obj, list | tuple):
+        return [s for v in obj for s in _strings(v)]
+    return []

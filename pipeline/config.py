@@ -66,6 +66,9 @@ class PromptConfig:
     # A text prompt gets the tokenizer's special tokens (BOS...) as `tokenizer(text)` adds them;
     # False leaves them out (vLLM's option). Chat prompts get none on top of the template's.
     add_special_tokens: bool = True
+    # Text inside chat messages that spells a special token (`<|im_end|>`) is tokenized as
+    # plain text, so a row cannot forge a turn; True tokenizes it as the token (HF's default).
+    allow_special_tokens_in_messages: bool = False
     override_columns: tuple[str, ...] | None = None
     sampling_column: str | None = None
 

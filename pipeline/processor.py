@@ -47,7 +47,8 @@ class ProcessorConfig:
     one user message through the chat template, after `system_prompt` when given. Text
     prompts are tokenized as `tokenizer(text)` (the tokenizer's special tokens, e.g. BOS;
     `add_special_tokens=False` leaves them out), chats as `apply_chat_template(...,
-    tokenize=True)` (actors/tokenization.py).
+    tokenize=True)` (actors/tokenization.py), text in messages that spells a special token as
+    plain text unless `allow_special_tokens_in_messages`.
 
     Defaults: `engine` EngineConfig() (the embedded SmolLM2-135M-Instruct), `sampling`
     SamplingParams() (greedy, max_tokens 16; `logprobs=k` adds the `logprobs` column),
@@ -70,6 +71,7 @@ class ProcessorConfig:
     chat: bool = False
     system_prompt: str | None = None
     add_special_tokens: bool = True
+    allow_special_tokens_in_messages: bool = False
     id_column: str | None = None
     override_columns: tuple[str, ...] = ()
     sampling_column: str | None = None
@@ -128,6 +130,7 @@ class ProcessorConfig:
             chat=self.chat,
             system_prompt=self.system_prompt,
             add_special_tokens=self.add_special_tokens,
+            allow_special_tokens_in_messages=self.allow_special_tokens_in_messages,
             override_columns=self.override_columns,
             sampling_column=self.sampling_column,
         )

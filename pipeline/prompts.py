@@ -133,7 +133,11 @@ class PromptBuilder:
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, str):
                 try:
-                    out[i] = encode_chat(self.tokenizer, prompt)
+                    out[i] = encode_chat(
+                        self.tokenizer,
+                        prompt,
+                        allow_special_tokens=self.config.allow_special_tokens_in_messages,
+                    )
                 except ChatTemplateError as exc:
                     out[i] = RowError(f"chat template failed: {exc}")
         return out

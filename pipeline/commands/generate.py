@@ -46,6 +46,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "a text prompt is tokenized as tokenizer(text)",
     )
     prompt.add_argument(
+        "--allow-special-tokens-in-messages",
+        action="store_true",
+        help="tokenize special-token text inside chat messages (e.g. <|im_end|>) as the token; "
+        "by default it is plain text, so a row cannot forge a chat turn",
+    )
+    prompt.add_argument(
         "--sampling-column", help="column of per-row sampling parameters (dict or JSON)"
     )
     prompt.add_argument(
@@ -74,6 +80,7 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         chat=args.chat,
         system_prompt=args.system_prompt,
         add_special_tokens=args.add_special_tokens,
+        allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
         sampling_column=args.sampling_column,
         override_columns=overrides,
     )

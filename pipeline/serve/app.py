@@ -106,7 +106,13 @@ def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = 
     async def tokenize_route(request: Request) -> Response:
         body = await authorized_body(request)
         answer = await in_thread(
-            lambda: tokenize(body, service.tokenizer, config.model_name, service.max_model_len)
+            lambda: tokenize(
+                body,
+                service.tokenizer,
+                config.model_name,
+                service.max_model_len,
+                allow_special_tokens_in_messages=config.allow_special_tokens_in_messages,
+            )
         )
         return JSONResponse(answer.model_dump(exclude_none=True))
 

@@ -95,6 +95,12 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Serve's max_ongoing_requests; default: staging + engine + slow bodies + 64",
     )
+    group.add_argument(
+        "--allow-special-tokens-in-messages",
+        action="store_true",
+        help="tokenize special-token text inside chat messages (e.g. <|im_end|>) as the token; "
+        "by default it is plain text, so a client cannot forge a chat turn",
+    )
 
 
 def admission_from_args(args: argparse.Namespace, **overrides: object) -> AdmissionConfig:
@@ -138,4 +144,5 @@ def serve_config_from_args(
         max_slow_bodies=args.max_slow_bodies,
         max_requests_per_client=args.max_requests_per_client,
         max_ongoing_requests=args.max_ongoing_requests,
+        allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
     )

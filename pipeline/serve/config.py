@@ -51,6 +51,9 @@ class ServeConfig:
     max_ongoing_requests: int | None = None
     # CPUs reserved for the replica's actor.
     num_cpus: float = 1.0
+    # Text inside chat messages that spells a special token (`<|im_end|>`) is tokenized as
+    # plain text, so a client cannot forge a turn; True tokenizes it as the token (HF's default).
+    allow_special_tokens_in_messages: bool = False
 
     def __post_init__(self) -> None:
         for name in (

@@ -97,7 +97,11 @@ class OpenAIService:
         request = _parse(ChatCompletionRequest, body)
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:  # as apply_chat_template(..., tokenize=True): no BOS on top of the template's
-            ids = encode_chat(self.tokenizer, messages)
+            ids = encode_chat(
+                self.tokenizer,
+                messages,
+                allow_special_tokens=self.config.allow_special_tokens_in_messages,
+            )
         except ChatTemplateError as exc:  # a template may reject a conversation
             raise bad_request(
                 f"the chat template rejected the messages: {exc}", "messages"

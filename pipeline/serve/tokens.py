@@ -91,8 +91,17 @@ def model_card(requested: str, card: ModelCard) -> ModelCard:
     return card
 
 
-def tokenize(body: bytes, tokenizer: Any, served: str, max_model_len: int) -> TokenizeResponse:
-    """POST /tokenize: a 400 naming the field for a bad body, 404 for another model."""
+def tokenize(
+    body: bytes,
+    tokenizer: Any,
+    served: str,
+    max_model_len: int,
+    *,
+    allow_special_tokens_in_messages: bool = False,
+) -> TokenizeResponse:
+    """POST /tokenize: a 400 naming the field for a bad body, 404 for another model. Messages
+    are tokenized as chat completions tokenize them (ServeConfig's
+    `allow_special_tokens_in_messages`)."""
     request: TokenizeCompletionRequest | TokenizeChatRequest
     chat = _has_field(body, "messages")
     request = _parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
@@ -105,6 +114,7 @@ def tokenize(body: bytes, tokenizer: Any, served: str, max_model_len: int) -> To
                 messages,
                 add_generation_prompt=request.add_generation_prompt,
                 add_special_tokens=request.add_special_tokens,
+                allow_special_tokens=allow_special_tokens_in_messages,
             )
         except ChatTemplateError as exc:  # a template may reject a conversation
             raise bad_request(
