@@ -167,15 +167,20 @@ class LLMEngine:
         outputs: list[RequestOutput],
     ) -> None:
         """Sample one token per request, append it, and retire the requests that stop
-        (`finish` frees them in their scheduler); an output per request that got a token."""
-        sampled = self.sampler(logits, sampling)
+        (`finish` frees them in their scheduler); an output per request that got a token.
+        A request whose sampling or postprocessing raises ends alone with an error."""
+        sampled = self.sampler.sample_each(logits, sampling)
         finished: dict[FinishReason, list[Request]] = {}
-        for req, token_id, logprob in zip(
-            sampling, sampled.token_ids, sampled.logprobs, strict=True
+        for row, (req, token_id, logprob) in enumerate(
+            zip(sampling, sampled.token_ids, sampled.logprobs, strict=True)
         ):
             if req.finished:  # aborted while its step was in flight (pipelined engines)
                 continue
-            reason = self._append(req, token_id, logprob)
+            error = sampled.errors.get(row)
+            if error is None:
+                reason = self._append_or_fail(req, token_id, logprob)
+            else:
+                req.error, reason = error, "error"
             if reason is not None:
                 finished.setdefault(reason, []).append(req)
             else:
@@ -209,9 +214,9 @@ class LLMEngine:
                     f"params must be one SamplingParams or one per prompt: {len(prompts)} "
                     f"prompts, {len(per_prompt)} params"
                 )
-        token_ids = [self._tokenize(p) for p in prompts]
+        token_ids = [self._try_tokenize(p) for p in prompts]  # None: _add reports the error
         groups = plan_groups(
-            token_ids,
+            [ids or [] for ids in token_ids],
             prefix_groups or (),
             runnable=lambda ids: self._check_prompt(ids) is None,
             new_id=lambda: self._new_id("prefix"),
@@ -227,7 +232,9 @@ class LLMEngine:
             for group in reversed(chain):  # a shared prefix runs before its members
                 self.scheduler.add(group.prefix)
                 queued.add(id(group))
-            ids[index] = self._add(token_ids[index], per_prompt[index], None, group).request_id
+            tokens = token_ids[index]
+            prompt = prompts[index] if tokens is None else tokens
+            ids[index] = self._add(prompt, per_prompt[index], None, group).request_id
         return ids
 
     def generate(
@@ -254,6 +261,12 @@ class LLMEngine:
             return encode_text(self.tokenizer, prompt)  # as tokenizer(prompt) does
         return [int(t) for t in prompt]
 
+    def _try_tokenize(self, prompt: str | Sequence[int]) -> list[int] | None:
+        try:
+            return self._tokenize(prompt)
+        except Exception:  # noqa: BLE001 (_add tokenizes it again and reports the error)
+            return None
+
     def _add(
         self,
         prompt: str | Sequence[int],
@@ -261,22 +274,41 @@ class LLMEngine:
         request_id: str | None,
         group: PrefixGroupState | None,
     ) -> Request:
+        """Queue a request, or finish it at once with an error: a prompt that cannot run, or
+        anything that raises while the request is built (only this request fails)."""
         if request_id is None:
             request_id = self._new_id("req")
         elif request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        req = Request(request_id, self._tokenize(prompt), params or SamplingParams(), group=group)
-        self.detokenizer.start(req)
-        req.error = self._check_prompt(req.prompt_token_ids)
-        if req.error is not None:
+        ids: list[int] = []
+        try:
+            ids = self._tokenize(prompt)
+            req = Request(request_id, ids, params or SamplingParams(), group=group)
+            self.detokenizer.start(req)
+        except Exception as exc:  # noqa: BLE001 (this request's fault; the engine goes on)
+            logger.exception("request %s could not be admitted", request_id)
+            req = Request(request_id, ids, SamplingParams(), group=group)
+            return self._reject(req, f"admitting the request failed: {_describe(exc)}")
+        error = self._check_prompt(req.prompt_token_ids)
+        if error is not None:
             assert group is None, "members with invalid prompts are left out of groups"
-            req.status = RequestStatus.FINISHED
-            req.finish_reason = "error"
-            self._finish_time(req)
-            self._pending.append(self._output(req))
-            return req
+            return self._reject(req, error)
         self._requests[request_id] = req
         self.scheduler.add(req)
+        return req
+
+    def _reject(self, req: Request, error: str) -> Request:
+        """Finish a request that never ran with `error`; its output comes from the next step.
+        A group member is counted by its group: it is queued and ended in its scheduler, so
+        the group's prefix is released when its last member ends."""
+        req.error = error
+        if req.group is not None:
+            self.scheduler.add(req)
+            self.scheduler.finish([req], "error")
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = "error"
+        self._finish_time(req)
+        self._pending.append(self._output(req))
         return req
 
     def _new_id(self, kind: str) -> str:
@@ -318,6 +350,18 @@ class LLMEngine:
             return "length"
         return None
 
+    def _append_or_fail(
+        self, req: Request, token_id: int, logprob: TokenLogprob | None
+    ) -> FinishReason | None:
+        """`_append`; when it raises (detokenizing, a stop check), the request ends with an
+        error and the step goes on for the others."""
+        try:
+            return self._append(req, token_id, logprob)
+        except Exception as exc:  # noqa: BLE001 (this request's fault; the engine goes on)
+            logger.exception("postprocessing a token of request %s failed", req.request_id)
+            req.error = f"postprocessing a generated token failed: {_describe(exc)}"
+            return "error"
+
     def _retire(self, req: Request) -> RequestOutput:
         self._requests.pop(req.request_id, None)
         self._finish_time(req)
@@ -344,3 +388,7 @@ class LLMEngine:
             logprobs=tuple(req.logprobs) if req.logprobs is not None else None,
             prompt_token_ids=tuple(req.prompt_token_ids),
         )
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

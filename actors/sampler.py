@@ -5,17 +5,24 @@ top-p in one sort, and drawn by the exponential race (`argmax(p / q)`, q ~ Exp(1
 a draw from p; a seeded request draws its noise from its own `torch.Generator`, so its tokens
 depend only on its seed, not on what else shares the batch. Logprobs are of the raw model
 distribution (vLLM's default), before temperature and filters.
+
+`sample_each` isolates failures: when the batched call raises, each request is sampled alone
+and only those that raise again fail (a failed call leaves the logits and the requests'
+generators as it found them, so the others draw what they would have drawn).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from actors.outputs import TokenLogprob
 from actors.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -24,6 +31,7 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why it has no token
 
 
 class Sampler:
@@ -33,15 +41,60 @@ class Sampler:
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.generator = torch.Generator().manual_seed(seed)
 
+    def sample_each(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """The batched call; if it raises, each request alone, and a request that raises
+        again gets no token but an entry in `errors` (its token id is -1)."""
+        try:
+            return self(logits, requests)
+        except Exception:  # noqa: BLE001 (one request's values must not fail the batch)
+            logger.warning("batched sampling failed; sampling each request alone", exc_info=True)
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
+        errors: dict[int, str] = {}
+        for i, req in enumerate(requests):
+            try:
+                one = self(logits[i : i + 1], [req])
+            except Exception as exc:  # noqa: BLE001
+                logger.exception("sampling request %s failed", req.request_id)
+                errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+                token_ids.append(-1)
+                logprobs.append(None)
+            else:
+                token_ids.extend(one.token_ids)
+                logprobs.extend(one.logprobs)
+        return SamplerOutput(token_ids, logprobs, errors)
+
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        """`logits` `[num_requests, vocab]` float32, one row per request (same order)."""
+        """`logits` `[num_requests, vocab]` float32, one row per request (same order). When
+        it raises, the logits and the seeded requests' generators are as before the call."""
+        generators = [
+            (r.generator, r.generator.get_state())
+            for r in requests
+            if r.generator is not None and not r.params.greedy
+        ]
+        masked: list[tuple[int, list[int], torch.Tensor]] = []
+        try:
+            return self._sample_rows(logits, requests, masked)
+        except BaseException:
+            for i, banned, values in masked:
+                logits[i, banned] = values
+            for generator, state in generators:
+                generator.set_state(state)
+            raise
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        masked: list[tuple[int, list[int], torch.Tensor]],
+    ) -> SamplerOutput:
         num = len(requests)
         logprobs: list[TokenLogprob | None] = [None] * num
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
 
-        self._mask_until_min_tokens(logits, requests)
+        self._mask_until_min_tokens(logits, requests, masked)
         tokens = torch.empty(num, dtype=torch.long)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         if len(greedy) == num:
@@ -60,7 +113,14 @@ class Sampler:
                 )
         return SamplerOutput(token_list, logprobs)
 
-    def _mask_until_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    def _mask_until_min_tokens(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        masked: list[tuple[int, list[int], torch.Tensor]],
+    ) -> None:
+        """Ban EOS and stop tokens of requests short of min_tokens (in place); `masked`
+        records what was overwritten."""
         for i, req in enumerate(requests):
             params = req.params
             if req.num_output_tokens >= params.min_tokens:
@@ -69,13 +129,15 @@ class Sampler:
             if not params.ignore_eos:
                 banned.extend(self.eos_token_ids)
             if banned:
+                masked.append((i, banned, logits[i, banned]))  # a copy
                 logits[i, banned] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         vocab = logits.shape[-1]
         temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
         logits = logits / temperature[:, None]
-        top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in requests]
+        # Clamped to the vocabulary before a tensor holds it (any top_k is a valid request).
+        top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests]
         top_p = [r.params.top_p for r in requests]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
             logits = apply_top_k_top_p(logits, torch.tensor(top_k), torch.tensor(top_p))
