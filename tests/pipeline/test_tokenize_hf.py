@@ -1,5 +1,5 @@
 """The job's tokenizer stage (pipeline/tokenize.py, as the job and the processor run it)
-tokenizes as Hugging Face on a tokenizer that adds BOS: text rows as `tokenizer(text)`, chat
+tokenizes as Hugging Face on tokenizers that add BOS, BOS+EOS or nothing: text rows as `tokenizer(text)`, chat
 rows as `apply_chat_template(..., tokenize=True)` (one BOS, the template's); and the engine's
 greedy outputs on the stage's ids equal `model.generate(**tokenizer(prompt))` (no Ray)."""
 
@@ -11,20 +11,26 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from actors import EngineConfig, LLMEngine, SamplingParams
+from actors.tokenization import special_tokens_around
 from pipeline import stage
 from pipeline.config import PromptConfig
 from pipeline.tokenize import TokenizeStage
 from tests.actors.reference import assert_greedy_match, torch_threads
 from tests.tiny_models import tiny_model
-from tests.tiny_tokenizers import BOS, model_args, tiny_tokenizer
+from tests.tiny_tokenizers import BOS, PAD, STYLES, model_args, tiny_tokenizer
 
 TEXTS = ["the cat sat on the mat", "in the beginning there was a tokenizer"]
 MAX_TOKENS = 8
 
 
+@pytest.fixture(scope="module", params=STYLES)
+def style(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def tok() -> PreTrainedTokenizerFast:
-    return tiny_tokenizer("bos")
+def tok(style) -> PreTrainedTokenizerFast:
+    return tiny_tokenizer(style)
 
 
 def run_stage(tok, config: PromptConfig, columns: dict) -> list[dict]:
@@ -40,7 +46,9 @@ def test_text_rows_are_tokenized_as_the_tokenizer_does(tok) -> None:
     for text, row in zip(TEXTS, rows, strict=True):
         assert row[stage.ERROR] is None
         assert row[stage.PROMPT_TOKEN_IDS] == tok(text)["input_ids"]
-        assert row[stage.PROMPT_TOKEN_IDS][:2] == [BOS, tok(text)["input_ids"][1]]
+        bare = tok(text, add_special_tokens=False)["input_ids"]
+        prefix, suffix = special_tokens_around(tok)
+        assert row[stage.PROMPT_TOKEN_IDS] == prefix + bare + suffix
         assert row[stage.NUM_PROMPT_TOKENS] == len(tok(text)["input_ids"])
     off = run_stage(tok, PromptConfig(prompt_column="p", add_special_tokens=False), {"p": TEXTS})
     assert [r[stage.PROMPT_TOKEN_IDS] for r in off] == [
@@ -48,7 +56,7 @@ def test_text_rows_are_tokenized_as_the_tokenizer_does(tok) -> None:
     ]
 
 
-def test_chat_rows_hold_one_bos(tok) -> None:
+def test_chat_rows_hold_one_bos(tok, style) -> None:
     messages = [[{"role": "user", "content": t}] for t in TEXTS]
     rows = run_stage(tok, PromptConfig(messages_column="m"), {"m": messages})
     config = PromptConfig(prompt_column="p", chat=True, system_prompt="Be brief.")
@@ -56,7 +64,7 @@ def test_chat_rows_hold_one_bos(tok) -> None:
     for text, m, row, w in zip(TEXTS, messages, rows, wrapped, strict=True):
         expected = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)
         assert row[stage.PROMPT_TOKEN_IDS] == expected["input_ids"]
-        assert row[stage.PROMPT_TOKEN_IDS].count(BOS) == 1
+        assert row[stage.PROMPT_TOKEN_IDS].count(BOS) == (style != "none")
         chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
         expected = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
         assert w[stage.PROMPT_TOKEN_IDS] == expected["input_ids"]
@@ -68,7 +76,17 @@ def test_chat_rows_hold_one_bos(tok) -> None:
 
 @pytest.mark.timeout(300)
 def test_engine_on_the_stages_ids_equals_hf_generate(tok) -> None:
+    """Text and chat rows: the engine on the stage's ids gives `model.generate(**inputs)` of
+    `tokenizer(text, return_tensors="pt")` / `apply_chat_template(..., return_tensors="pt")`."""
+    messages = [[{"role": "user", "content": t}] for t in TEXTS]
     rows = run_stage(tok, PromptConfig(prompt_column="p"), {"p": TEXTS})
+    rows += run_stage(tok, PromptConfig(messages_column="m"), {"m": messages})
+    inputs = [tok(t, return_tensors="pt") for t in TEXTS] + [
+        tok.apply_chat_template(
+            m, add_generation_prompt=True, tokenize=True, return_tensors="pt", return_dict=True
+        )
+        for m in messages
+    ]
     reference = tiny_model("llama", **model_args(tok))
     engine = LLMEngine(
         EngineConfig(num_kv_blocks=64), model=tiny_model("llama", **model_args(tok)), tokenizer=tok
@@ -77,14 +95,15 @@ def test_engine_on_the_stages_ids_equals_hf_generate(tok) -> None:
         outputs = engine.generate(
             [r[stage.PROMPT_TOKEN_IDS] for r in rows], SamplingParams(max_tokens=MAX_TOKENS)
         )
-        for text, out in zip(TEXTS, outputs, strict=True):
-            inputs = tok(text, return_tensors="pt")
+        for given, out in zip(inputs, outputs, strict=True):
+            prompt = given["input_ids"][0].tolist()
+            assert list(out.prompt_token_ids) == prompt
             with torch.inference_mode():
                 generated = reference.generate(
-                    **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2
+                    **given, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=PAD
                 )
-            expected = generated[0, inputs["input_ids"].shape[1] :].tolist()
-            assert_greedy_match(reference, inputs["input_ids"][0].tolist(), out.token_ids, expected)
+            expected = generated[0, len(prompt) :].tolist()
+            assert_greedy_match(reference, prompt, out.token_ids, expected)
 
 
 def test_special_token_text_in_a_rows_messages_stays_text(tok) -> None:
