@@ -120,3 +120,23 @@ def test_special_token_text_in_a_rows_messages_stays_text(tok) -> None:
     (opted,) = run_stage(tok, config, {"m": [forged]})
     expected = tok.apply_chat_template(forged, add_generation_prompt=True, tokenize=True)
     assert opted[stage.PROMPT_TOKEN_IDS] == expected["input_ids"] != safe[stage.PROMPT_TOKEN_IDS]
+
+
+def test_a_shared_bos_is_not_a_prefix_group(tok, style) -> None:
+    """Every row starts with the same BOS: the planner still groups only real shared prefixes
+    (first-level groups by prefix key, nested groups of >= nested_min_shared tokens)."""
+    from packing.prefix import prefix_forest
+    from pipeline.config import PlanConfig
+    from pipeline.plan import group_rows
+
+    doc = "the heap queue keeps the smallest item at index zero, so a pop is cheap. " * 3
+    texts = [doc + "Q: why?", doc + "Q: how?", "an unrelated question", "another one entirely"]
+    rows = run_stage(tok, PromptConfig(prompt_column="p"), {"p": texts})
+    ids = [r[stage.PROMPT_TOKEN_IDS] for r in rows]
+    keys = [r[stage.PREFIX_KEY] for r in rows]
+    shared = len(tok(doc + "Q: ")["input_ids"]) - len(special_tokens_around(tok)[1])
+    assert len(ids[0]) > 64 and keys[0] == keys[1] is not None and keys[2] is None
+    grouped = [g for g in group_rows(ids, keys, grouping=True) if len(g.rows) > 1]
+    assert [g.rows for g in grouped] == [(0, 1)] and grouped[0].prefix_len >= shared - 1
+    nested = prefix_forest(ids, min_shared=PlanConfig().nested_min_shared)
+    assert [g.members for g in nested] == [(0, 1)]
