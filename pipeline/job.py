@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 import warnings
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.parallel import placement
-from pipeline import engine_groups, stage
+from pipeline import engine_groups, stage, storage
 from pipeline.config import OUTPUT_ID, JobConfig
 from pipeline.dedupe import CONTENT
 from pipeline.engine_groups import EngineGroups
@@ -329,13 +328,14 @@ def run_job(
     prefix = folder.filename_prefix()
     try:
         state = scan_output(config.output, prefix)
-        Path(config.output).mkdir(parents=True, exist_ok=True)
-        before = {str(p) for p in data_files(config.output, prefix)}
+        storage.makedirs(config.output)
+        before = set(data_files(config.output, prefix))
         collector = ray.remote(num_cpus=0)(StatsCollector).remote()
         try:
             ds = build_dataset(config, prepared, state.done_ids, collector, infer_cls, groups)
             ds.write_parquet(
                 config.output,
+                filesystem=storage.filesystem(config.output),  # None: local, as always
                 # Named with the folder's job token: the only files a rerun reads or deletes.
                 filename_provider=FilenameProvider(dataset_uuid=prefix),
                 ray_remote_args={"num_cpus": config.compute.task_num_cpus},
@@ -348,7 +348,7 @@ def run_job(
     finally:
         if groups is not None:
             groups.remove_all()
-    written = [p for p in data_files(config.output, prefix) if str(p) not in before]
+    written = [p for p in data_files(config.output, prefix) if p not in before]
     summary, distributions = summarize(
         config.output, written, plan, time.perf_counter() - started, len(state.done_ids)
     )
@@ -373,8 +373,8 @@ def _parallel_defaults(config: JobConfig) -> JobConfig:
 def _input_bytes(source: InputSource) -> int:
     total = 0
     for path in source.paths:
-        if os.path.isdir(path):
+        if source.format == "hf":  # a local folder (pipeline/read.py)
             total += sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
         else:
-            total += os.path.getsize(path)
+            total += storage.size(path)
     return total

@@ -13,6 +13,12 @@ and only the job's own files are ever deleted.
   with that prefix (pipeline/resume.py). Anything else in the folder is left alone.
 
 The leading `_` keeps Parquet readers of the folder from taking these files for data.
+
+The folder may be a URI (`s3://`, `gs://`: pipeline/storage.py). There the lock is NOT
+atomic: object stores have no create-if-absent (O_EXCL) or rename through pyarrow.fs, so two
+jobs started within the same second or so on one folder can both believe they hold it. The
+lock still refuses a second job started while one runs (the usual mistake), and stale locks
+are taken over the same way; a takeover race is not excluded.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from pipeline import storage
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +52,13 @@ def check_output(path: str) -> None:
     """ValueError naming `--output` unless the folder exists (or is created here) and a file
     can be written in it: a file in its place or a read-only folder fails now, not after the
     inference."""
-    folder = Path(path)
-    if folder.exists() and not folder.is_dir():
+    if storage.kind(path) == "file":
         raise ValueError(f"--output {path!r} is a file, not a folder")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".raypack-write-check-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        storage.makedirs(path)
+        probe = storage.join(path, f".raypack-write-check-{os.getpid()}")
+        storage.write_bytes(probe, b"")
+        storage.delete(probe)
     except OSError as exc:
         raise ValueError(f"--output {path!r} cannot be written: {exc.strerror or exc}") from None
 
@@ -73,7 +80,7 @@ class LockOwner:
 class OutputFolder:
     """A claimed output folder: holds the lock (with a heartbeat thread) until `release`."""
 
-    def __init__(self, path: Path, owner: LockOwner, token: str):
+    def __init__(self, path: str, owner: LockOwner, token: str):
         self.path = path
         self.owner = owner
         self.token = token
@@ -86,17 +93,17 @@ class OutputFolder:
         """Lock the folder for this process (creating it), or OutputBusyError naming the
         holder; a stale lock is taken over with a warning."""
         check_output(path)
-        folder = Path(path)
+        lock = storage.join(path, LOCK_FILE)
         owner = LockOwner(socket.gethostname(), os.getpid(), time.time())
         for _ in range(3):  # a takeover race with another job: look again
-            if _create_lock(folder / LOCK_FILE, owner):
+            if _create_lock(lock, owner):
                 try:
-                    token = _job_token(folder)
+                    token = _job_token(path)
                 except ValueError:
-                    (folder / LOCK_FILE).unlink(missing_ok=True)
+                    storage.delete(lock)
                     raise
-                return cls(folder, owner, token)
-            holder, age = _read_lock(folder / LOCK_FILE)
+                return cls(path, owner, token)
+            holder, age = _read_lock(lock)
             if holder is None and age is None:
                 continue  # released between our two looks
             why = _stale(holder, age)
@@ -111,7 +118,7 @@ class OutputFolder:
             logger.warning(
                 "--output %s: taking over the lock of a job that is gone (%s)", path, why
             )
-            _break_lock(folder / LOCK_FILE, holder)
+            _break_lock(lock, holder)
         raise OutputBusyError(f"--output {path!r}: could not take the lock ({LOCK_FILE})")
 
     def filename_prefix(self) -> str:
@@ -126,9 +133,10 @@ class OutputFolder:
         """Stop the heartbeat and remove the lock (if it is still ours)."""
         self._stop.set()
         self._beat.join(timeout=5)
-        holder, _ = _read_lock(self.path / LOCK_FILE)
+        lock = storage.join(self.path, LOCK_FILE)
+        holder, _ = _read_lock(lock)
         if holder == self.owner:
-            (self.path / LOCK_FILE).unlink(missing_ok=True)
+            storage.delete(lock)
 
     def __enter__(self) -> OutputFolder:
         return self
@@ -137,7 +145,7 @@ class OutputFolder:
         self.release()
 
     def _heartbeat(self) -> None:
-        lock = self.path / LOCK_FILE
+        lock = storage.join(self.path, LOCK_FILE)
         while not self._stop.wait(HEARTBEAT_S):
             holder, _ = _read_lock(lock)
             if holder != self.owner:
@@ -149,32 +157,50 @@ class OutputFolder:
                 )
                 return
             try:
-                os.utime(lock)
+                _touch(lock, self.owner)
             except OSError as exc:
                 logger.warning("--output %s: cannot touch the lock: %s", self.path, exc)
 
 
-def _create_lock(lock: Path, owner: LockOwner) -> bool:
+def _lock_text(owner: LockOwner) -> str:
+    return json.dumps({"host": owner.host, "pid": owner.pid, "started": owner.started})
+
+
+def _create_lock(lock: str, owner: LockOwner) -> bool:
+    if storage.is_remote(lock):
+        # NOT atomic (no O_EXCL on object stores): look, then write. See the module docstring.
+        if storage.kind(lock) is not None:
+            return False
+        storage.write_bytes(lock, _lock_text(owner).encode())
+        return True
     try:
         fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         return False
     with os.fdopen(fd, "w") as fh:
-        json.dump({"host": owner.host, "pid": owner.pid, "started": owner.started}, fh)
+        fh.write(_lock_text(owner))
     return True
 
 
-def _read_lock(lock: Path) -> tuple[LockOwner | None, float | None]:
+def _touch(lock: str, owner: LockOwner) -> None:
+    """The heartbeat: a fresh modification time (an object is rewritten to get one)."""
+    if storage.is_remote(lock):
+        storage.write_bytes(lock, _lock_text(owner).encode())
+    else:
+        os.utime(lock)
+
+
+def _read_lock(lock: str) -> tuple[LockOwner | None, float | None]:
     """The lock's holder (None if unreadable) and its heartbeat age; (None, None) if no lock."""
     try:
-        age = time.time() - lock.stat().st_mtime
-        data = json.loads(lock.read_text())
+        age = time.time() - storage.mtime(lock)
+        data = json.loads(storage.read_bytes(lock))
         return LockOwner(str(data["host"]), int(data["pid"]), float(data["started"])), age
     except FileNotFoundError:
         return None, None
     except (ValueError, KeyError, TypeError, OSError):
         try:
-            return None, time.time() - lock.stat().st_mtime
+            return None, time.time() - storage.mtime(lock)
         except OSError:
             return None, None
 
@@ -198,16 +224,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _break_lock(lock: Path, stale: LockOwner | None) -> None:
+def _break_lock(lock: str, stale: LockOwner | None) -> None:
+    if storage.is_remote(lock):
+        # No rename on object stores: delete the lock if it is still the stale one (a look
+        # then a delete, not atomic).
+        if _read_lock(lock)[0] in (stale, None):
+            storage.delete(lock)
+        return
     # A rename is atomic: of two jobs taking over at once, one moves the lock, the other
     # finds nothing to move and looks again. If what was moved is no longer the stale lock
     # (the other job already made its own), it goes back.
-    moved = lock.with_name(f"{LOCK_FILE}.stale-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    moved = Path(lock).with_name(f"{LOCK_FILE}.stale-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     try:
         os.rename(lock, moved)
     except FileNotFoundError:
         return
-    if stale is not None and _read_lock(moved)[0] not in (stale, None):
+    if stale is not None and _read_lock(str(moved))[0] not in (stale, None):
         try:
             os.link(moved, lock)
         except OSError:
@@ -215,19 +247,23 @@ def _break_lock(lock: Path, stale: LockOwner | None) -> None:
     moved.unlink(missing_ok=True)
 
 
-def _job_token(folder: Path) -> str:
+def _job_token(folder: str) -> str:
     """The folder's job token (made on the first run and kept in STATE_FILE)."""
-    state = folder / STATE_FILE
-    if state.exists():
+    state = storage.join(folder, STATE_FILE)
+    if storage.kind(state) is not None:
         try:
-            token = json.loads(state.read_text())["job"]
+            token = json.loads(storage.read_bytes(state))["job"]
             if isinstance(token, str) and token.isalnum():
                 return token
         except (ValueError, KeyError, TypeError):
             pass
-        raise ValueError(f"--output {str(folder)!r}: {STATE_FILE} is not this program's state")
+        raise ValueError(f"--output {folder!r}: {STATE_FILE} is not this program's state")
     token = uuid.uuid4().hex[:12]
-    tmp = folder / f".{STATE_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps({"job": token, "created": time.time()}) + "\n")
+    text = json.dumps({"job": token, "created": time.time()}) + "\n"
+    if storage.is_remote(state):  # an object appears whole or not at all
+        storage.write_bytes(state, text.encode())
+        return token
+    tmp = Path(folder) / f".{STATE_FILE}.{os.getpid()}"
+    tmp.write_text(text)
     os.replace(tmp, state)
     return token

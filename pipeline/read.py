@@ -8,7 +8,6 @@ names what exists.
 from __future__ import annotations
 
 import csv
-import glob
 import gzip
 import io
 import json
@@ -17,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import storage
 from pipeline.config import InputConfig, InputFormat
 
 logger = logging.getLogger(__name__)
@@ -42,29 +42,30 @@ class InputSource:
 
 
 def resolve_input(config: InputConfig) -> InputSource:
-    """Expand the path (file, folder or glob) and settle the format; ValueError when nothing
-    readable is there."""
+    """Expand the path (file, folder or glob; local or a URI, see pipeline/storage.py) and
+    settle the format; ValueError when nothing readable is there."""
     path = config.path
-    if config.format == "hf" or (os.path.isdir(path) and _is_hf_folder(Path(path))):
-        if not os.path.isdir(path):
-            raise ValueError(f"input {path!r}: a saved Hugging Face dataset must be a folder")
+    remote = storage.is_remote(path)
+    if config.format == "hf" or (not remote and os.path.isdir(path) and _is_hf_folder(Path(path))):
+        if remote or not os.path.isdir(path):
+            raise ValueError(f"input {path!r}: a saved Hugging Face dataset must be a local folder")
         return InputSource("hf", (path,))
     if any(ch in path for ch in "*?["):
-        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        files = storage.glob(path)
         if not files:
             raise ValueError(f"input glob {path!r} matches no files")
-    elif os.path.isdir(path):
-        files = sorted(
-            str(p)
-            for p in Path(path).rglob("*")
-            if p.is_file() and not p.name.startswith((".", "_")) and _format_of(p.name)
-        )
+    elif (found := storage.kind(path)) == "dir":
+        files = [
+            p
+            for p in storage.list_files(path, recursive=True)
+            if not storage.basename(p).startswith((".", "_")) and _format_of(p)
+        ]
         if not files:
             raise ValueError(
                 f"input folder {path!r} holds no .parquet, .jsonl/.json or .csv files "
                 "(and is not a folder saved by datasets.save_to_disk)"
             )
-    elif os.path.isfile(path):
+    elif found == "file":
         files = [path]
     else:
         raise ValueError(f"input {path!r} does not exist")
@@ -83,7 +84,8 @@ def input_columns(source: InputSource, hf_split: str | None = None) -> list[str]
     if source.format == "parquet":
         import pyarrow.parquet as pq
 
-        return list(pq.read_schema(first).names)
+        fs, inner = storage.resolve(first)
+        return list(pq.read_schema(inner, filesystem=fs).names)
     if source.format == "jsonl":
         keys: dict[str, None] = {}
         with _open_text(first) as fh:
@@ -156,19 +158,24 @@ def read_dataset(
     import ray.data
 
     paths = list(source.paths)
+    fs = storage.filesystem(paths[0]) if source.format != "hf" else None
     # The paths are already resolved and the format decided (--input-format overrides the file
     # names): Ray Data must not drop files whose extension does not match the format.
     if source.format == "parquet":
-        ds = ray.data.read_parquet(paths, num_cpus=num_cpus, file_extensions=None)
+        ds = ray.data.read_parquet(paths, num_cpus=num_cpus, file_extensions=None, filesystem=fs)
     elif source.format == "jsonl":
-        ds = ray.data.read_json(paths, lines=True, num_cpus=num_cpus, file_extensions=None)
+        ds = ray.data.read_json(
+            paths, lines=True, num_cpus=num_cpus, file_extensions=None, filesystem=fs
+        )
     elif source.format == "csv":
         import pyarrow.csv
 
         # pyarrow splits CSV into blocks at newlines unless told values may hold them.
         multiline = checked is None or checked.csv_multiline_values
         parse = pyarrow.csv.ParseOptions(newlines_in_values=multiline)
-        ds = ray.data.read_csv(paths, num_cpus=num_cpus, parse_options=parse, file_extensions=None)
+        ds = ray.data.read_csv(
+            paths, num_cpus=num_cpus, parse_options=parse, file_extensions=None, filesystem=fs
+        )
     else:
         ds = ray.data.from_huggingface(_load_hf(paths[0], hf_split))
     return ds.repartition(target_num_rows_per_block=rows_per_block)
@@ -178,7 +185,8 @@ def _check_parquet(path: str) -> None:
     import pyarrow.parquet as pq
 
     try:
-        pq.read_metadata(path)
+        fs, inner = storage.resolve(path)
+        pq.read_metadata(inner, filesystem=fs)
     except Exception as exc:  # ArrowInvalid / OSError, by pyarrow version
         raise ValueError(f"input {path}: not a readable Parquet file ({exc})") from None
 
@@ -244,6 +252,11 @@ def _is_hf_folder(folder: Path) -> bool:
 
 
 def _open_text(path: str) -> io.TextIOBase:
+    if storage.is_remote(path):
+        raw = storage.open_input(path)
+        if path.endswith(".gz"):
+            return io.TextIOWrapper(gzip.GzipFile(fileobj=raw), encoding="utf-8")
+        return io.TextIOWrapper(raw, encoding="utf-8", newline="")
     if path.endswith(".gz"):
         return io.TextIOWrapper(gzip.open(path), encoding="utf-8")
     return open(path, encoding="utf-8", newline="")  # noqa: SIM115 (returned to a with block)

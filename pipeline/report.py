@@ -9,6 +9,7 @@ folder (pyarrow, Ray Data, Spark) skip them.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from collections import Counter
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipeline import stage
+from pipeline import stage, storage
 from pipeline.plan import PlanStats
 
 logger = logging.getLogger(__name__)
@@ -144,7 +145,10 @@ def summarize(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    tables = [pq.read_table(f, columns=_COLUMNS) for f in files]
+    tables = [
+        pq.read_table(storage.resolve(f)[1], columns=_COLUMNS, filesystem=storage.filesystem(f))
+        for f in files
+    ]
     rows = pa.concat_tables(tables).to_pydict() if tables else {c: [] for c in _COLUMNS}
     ok = [i for i, e in enumerate(rows[stage.ERROR]) if e is None]
     prompt_lens = [rows[stage.NUM_PROMPT_TOKENS][i] for i in ok]
@@ -194,14 +198,14 @@ def summarize(
 
 
 def write_report(output: str | Path, summary: Summary, distributions: dict[str, list[int]]) -> None:
-    """`_summary.json` and `_report.png` in the output folder."""
-    folder = Path(output)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=2) + "\n")
-    plot(distributions, folder / REPORT_FILE)
+    """`_summary.json` and `_report.png` in the output folder (local or a URI)."""
+    storage.makedirs(output)
+    text = json.dumps(asdict(summary), indent=2) + "\n"
+    storage.write_bytes(storage.join(output, SUMMARY_FILE), text.encode())
+    plot(distributions, storage.join(output, REPORT_FILE))
 
 
-def plot(distributions: dict[str, list[int]], path: Path) -> None:
+def plot(distributions: dict[str, list[int]], path: str | Path) -> None:
     """Three panels: prompt-length histogram, share-degree distribution, padding avoided."""
     import matplotlib
 
@@ -228,5 +232,7 @@ def plot(distributions: dict[str, list[int]], path: Path) -> None:
         title=f"Prompt tokens computed (padding avoided: {padded - packed})", ylabel="tokens"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
+    storage.write_bytes(path, png.getvalue())
     plt.close(fig)

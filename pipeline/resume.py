@@ -28,11 +28,10 @@ midway and check that the rerun leaves every id exactly once.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import stage
+from pipeline import stage, storage
 from pipeline.output import LOCK_FILE, STATE_FILE
 from pipeline.report import REPORT_FILE, SUMMARY_FILE
 
@@ -49,20 +48,17 @@ class OutputState:
     foreign: tuple[str, ...] = ()  # files this job did not write, left alone
 
 
-def data_files(output: str | Path, prefix: str | None = None) -> list[Path]:
-    """The Parquet data files in an output folder (reports and hidden files excluded); with
-    `prefix`, only those named `<prefix>_...` (one job's, see pipeline/output.py)."""
-    folder = Path(output)
-    if not folder.is_dir():
-        return []
-    return sorted(
+def data_files(output: str | Path, prefix: str | None = None) -> list[str]:
+    """The Parquet data files in an output folder, local or a URI (reports and hidden files
+    excluded); with `prefix`, only those named `<prefix>_...` (one job's, see
+    pipeline/output.py)."""
+    return [
         p
-        for p in folder.iterdir()
-        if p.is_file()
-        and p.suffix == ".parquet"
-        and not p.name.startswith((".", "_"))
-        and (prefix is None or p.name.startswith(prefix + "_"))
-    )
+        for p in storage.list_files(output)
+        if (name := storage.basename(p)).endswith(".parquet")
+        and not name.startswith((".", "_"))
+        and (prefix is None or name.startswith(prefix + "_"))
+    ]
 
 
 def scan_output(output: str | Path, prefix: str) -> OutputState:
@@ -71,26 +67,27 @@ def scan_output(output: str | Path, prefix: str) -> OutputState:
     warning: only what the job wrote is ever read back or deleted."""
     import pyarrow.parquet as pq
 
-    if Path(output).exists() and not Path(output).is_dir():
+    if storage.kind(output) == "file":
         raise ValueError(f"--output {str(output)!r} is a file, not a folder")
     files: list[str] = []
     removed: list[str] = []
     done: set[str] = set()
+    fs = storage.filesystem(output)
     for path in data_files(output, prefix):
         try:
-            parquet = pq.ParquetFile(path)
+            parquet = pq.ParquetFile(storage.resolve(path)[1], filesystem=fs)
         except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a cut file
             logger.warning("removing %s, left incomplete by an earlier run (%s)", path, exc)
-            os.remove(path)
-            removed.append(str(path))
+            storage.delete(path)
+            removed.append(path)
             continue
         if stage.ID not in parquet.schema_arrow.names:
             raise ValueError(
-                f"--output {str(output)!r}: {path.name} is named as this job's but has no "
+                f"--output {str(output)!r}: {storage.basename(path)} is named as this job's but has no "
                 f"{stage.ID!r} column; the folder's state is damaged: choose another folder"
             )
         done.update(parquet.read(columns=[stage.ID]).column(stage.ID).to_pylist())
-        files.append(str(path))
+        files.append(path)
     foreign = _foreign(output, prefix)
     if foreign:
         shown = ", ".join(foreign[:10]) + (
@@ -109,15 +106,12 @@ def scan_output(output: str | Path, prefix: str) -> OutputState:
 
 
 def _foreign(output: str | Path, prefix: str) -> list[str]:
-    folder = Path(output)
-    if not folder.is_dir():
-        return []
     own = {LOCK_FILE, STATE_FILE, SUMMARY_FILE, REPORT_FILE}
     return sorted(
-        p.name
-        for p in folder.iterdir()
-        if not p.name.startswith(".")
-        and p.name not in own
-        and not p.name.startswith(LOCK_FILE + ".stale-")
-        and not (p.name.startswith(prefix + "_") and p.name.endswith(".parquet"))
+        name
+        for name in storage.names(output)
+        if not name.startswith(".")
+        and name not in own
+        and not name.startswith(LOCK_FILE + ".stale-")
+        and not (name.startswith(prefix + "_") and name.endswith(".parquet"))
     )

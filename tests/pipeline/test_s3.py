@@ -1,0 +1,221 @@
+"""Input, output, resume state, report and lock on S3, against a real S3-compatible server
+(moto's ThreadedMotoServer on a free port, started here): the paths without Ray, then a job
+from `s3://` to `s3://` killed, resumed and rerun, every id exactly once."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import storage
+from pipeline.config import InputConfig
+from pipeline.output import LOCK_FILE, OutputBusyError, OutputFolder, check_output
+from pipeline.read import check_input, input_columns, resolve_input
+from pipeline.report import REPORT_FILE, SUMMARY_FILE
+from pipeline.resume import data_files, scan_output
+from tests.pipeline.data import MALFORMED, TEMPLATE, rows
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[str]:
+    """A moto S3 server on a free port; yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The environment that points AWS clients at the server (set in this process too), and
+    a fresh bucket in `BUCKET`."""
+    import boto3
+
+    env = {
+        "AWS_ENDPOINT_URL": s3_server,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    bucket = f"raypack-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return {**env, "BUCKET": bucket}
+
+
+def _put_table(uri: str, table: pa.Table) -> None:
+    fs, inner = storage.resolve(uri)
+    pq.write_table(table, inner, filesystem=fs)
+
+
+def test_inputs_lock_and_resume_state_on_s3(s3):
+    root = f"s3://{s3['BUCKET']}"
+    table = pa.table({"id": ["a", "b"], "prompt": ["x", "y"]})
+    for i in range(2):
+        _put_table(f"{root}/in/part-{i}.parquet", table)
+    storage.write_bytes(f"{root}/in/_SUCCESS", b"")
+    storage.write_bytes(f"{root}/gz/sub/rows.jsonl.gz", gzip.compress(b'{"q": 1, "r": 2}\n'))
+    storage.write_bytes(f"{root}/t.csv", b'id,prompt\nc1,"two\nlines"\n')
+
+    folder = resolve_input(InputConfig(f"{root}/in"))
+    assert folder.paths == (f"{root}/in/part-0.parquet", f"{root}/in/part-1.parquet")
+    assert resolve_input(InputConfig(f"{root}/in/*.parquet")).paths == folder.paths
+    assert resolve_input(InputConfig(f"{root}/**/*.gz")).paths == (f"{root}/gz/sub/rows.jsonl.gz",)
+    assert input_columns(folder) == ["id", "prompt"]
+    assert input_columns(resolve_input(InputConfig(f"{root}/gz/sub/rows.jsonl.gz"))) == ["q", "r"]
+    assert check_input(resolve_input(InputConfig(f"{root}/t.csv"))).csv_multiline_values
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_input(InputConfig(f"{root}/missing.parquet"))
+    with pytest.raises(ValueError, match="must be a local folder"):
+        resolve_input(InputConfig(f"{root}/in", format="hf"))
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        check_output(f"{root}/t.csv")
+
+    out = f"{root}/out"
+    first = OutputFolder.claim(out)
+    assert storage.kind(f"{out}/{LOCK_FILE}") == "file"
+    with pytest.raises(OutputBusyError, match=rf"in use by another job \(host .*pid {os.getpid()}"):
+        OutputFolder.claim(out)
+    first.release()
+    assert storage.kind(f"{out}/{LOCK_FILE}") is None
+    with OutputFolder.claim(out) as again:
+        assert again.token == first.token
+        prefix = again.filename_prefix()
+    _put_table(f"{out}/{prefix}_w_0-0.parquet", pa.table({"id": ["a", "b"]}))
+    whole = storage.read_bytes(f"{out}/{prefix}_w_0-0.parquet")
+    storage.write_bytes(f"{out}/{prefix}_w_1-0.parquet", whole[: len(whole) // 2])  # cut
+    storage.write_bytes(f"{out}/users-own.parquet", whole[: len(whole) // 2])
+    state = scan_output(out, prefix)
+    assert state.done_ids == {"a", "b"}
+    assert state.removed == (f"{out}/{prefix}_w_1-0.parquet",)
+    assert state.foreign == ("users-own.parquet",)
+    assert data_files(out, prefix) == [f"{out}/{prefix}_w_0-0.parquet"]
+
+
+def _driver(s3: dict[str, str], ray_address: str, args: list[str], log: Path) -> subprocess.Popen:
+    """jobs/generate.py joined to the test cluster, as `ray job submit` runs it: the job's
+    runtime_env hands the S3 settings to its Ray workers."""
+    aws = {k: v for k, v in s3.items() if k.startswith("AWS_")}
+    job_config = json.dumps({"runtime_env": {"env_vars": aws}, "metadata": {}})
+    env = {
+        **os.environ,
+        **aws,
+        "RAY_ADDRESS": ray_address,
+        "RAY_JOB_CONFIG_JSON_ENV_VAR": job_config,
+    }
+    return subprocess.Popen(
+        [sys.executable, "jobs/generate.py", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _finish(driver: subprocess.Popen, log: Path) -> dict:
+    assert driver.wait(timeout=240) == 0, log.read_text()[-4000:]
+    text = log.read_text()
+    return json.loads(text[text.rindex("\n{") + 1 :])  # --json: the summary ends the log
+
+
+def _read_output(out: str) -> dict[str, dict]:
+    fs, inner = storage.resolve(out)
+    got: dict[str, dict] = {}
+    for row in pq.read_table(inner, filesystem=fs).to_pylist():  # skips the _ files
+        assert row["id"] not in got, f"id {row['id']} written twice"
+        got[row["id"]] = row
+    return got
+
+
+def _complete_rows(out: str) -> int:
+    total = 0
+    for path in data_files(out):
+        try:
+            total += pq.ParquetFile(storage.open_input(path)).metadata.num_rows
+        except Exception:  # noqa: BLE001 (a cut file counts nothing)
+            continue
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_s3_job_killed_resumed_and_rerun(ray_cluster, prompt_table, tiny_model_dir, s3, tmp_path):
+    """s3:// in and out: a driver killed once its first file is on S3, a rerun that resumes
+    it, and one more rerun that finds nothing to do; every id once, tokens equal Hugging
+    Face's on each prompt alone, the report on S3."""
+    root = f"s3://{s3['BUCKET']}"
+    source, out = f"{root}/in.parquet", f"{root}/out"
+    _put_table(source, pq.read_table(prompt_table))
+    args = [
+        "--input", source, "--output", out, "--template", TEMPLATE,
+        "--sampling-column", "sampling", "--keep-columns", "doc_id",
+        "--model", str(tiny_model_dir), "--max-tokens", "24", "--max-rows-per-shard", "2",
+        "--num-partitions", "2", "--num-cpus-per-actor", "0.25", "--actor-resource",
+        "fake_gpu=1", "--json",
+    ]  # fmt: skip
+
+    killed = _driver(s3, ray_cluster, args, tmp_path / "killed.log")
+    deadline = time.monotonic() + 200
+    while not data_files(out) and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert killed.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    written = _complete_rows(out)
+    assert 0 < written < len(rows()), written
+
+    resumed = _finish(
+        _driver(s3, ray_cluster, args, tmp_path / "resumed.log"), tmp_path / "resumed.log"
+    )
+    assert resumed["rows_skipped"] == written
+    assert resumed["rows"] == len(rows()) - written
+    assert resumed["output"] == out
+    assert "that process is gone" in (tmp_path / "resumed.log").read_text()  # its lock
+    report = json.loads(storage.read_bytes(f"{out}/{SUMMARY_FILE}"))
+    assert report["rows"] == resumed["rows"]
+    assert storage.size(f"{out}/{REPORT_FILE}") > 10_000
+    got = _read_output(out)
+    assert set(got) == {r["id"] for r in rows()}
+
+    again = _finish(_driver(s3, ray_cluster, args, tmp_path / "again.log"), tmp_path / "again.log")
+    assert (again["rows"], again["rows_skipped"]) == (0, len(rows()))
+    assert _read_output(out) == got
+    assert storage.kind(f"{out}/{LOCK_FILE}") is None  # released
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.actors.reference import hf_greedy, torch_threads
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch_threads(1):
+        for row in rows():
+            if row["id"] in MALFORMED:
+                assert got[row["id"]]["error"] is not None
+                continue
+            ids = tokenizer.encode(TEMPLATE.format(**row), add_special_tokens=False)
+            expected = hf_greedy(model, ids, row["max_tokens"] or 24)
+            assert got[row["id"]]["generated_token_ids"] == expected, row["id"]
+            assert got[row["id"]]["doc_id"] == row["doc_id"]
