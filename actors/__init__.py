@@ -1,7 +1,32 @@
-"""raypack actors: the inference engine (scheduler, paged KV cache, model runner, sampler)."""
+"""raypack actors: the inference engine (scheduler, paged KV cache, model runner, sampler).
 
-from actors.config import EngineConfig, SamplingParams
-from actors.engine import LLMEngine
-from actors.outputs import RequestOutput, TokenLogprob
+The names below load on first use (PEP 562), so `import actors.config` (what the job's CPU
+stages and the command line need) does not import torch: a Ray worker that plans or
+tokenizes starts in a fraction of the time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from actors.config import EngineConfig, SamplingParams
+    from actors.engine import LLMEngine
+    from actors.outputs import RequestOutput, TokenLogprob
+
+_HOME = {
+    "EngineConfig": "actors.config",
+    "SamplingParams": "actors.config",
+    "LLMEngine": "actors.engine",
+    "RequestOutput": "actors.outputs",
+    "TokenLogprob": "actors.outputs",
+}
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "TokenLogprob"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'actors' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOME[name]), name)
