@@ -2,6 +2,8 @@
 
     raypack serve --host 127.0.0.1 --port 8000 --model smollm2 --policy aimd
     raypack serve --model /models/llama-8b --tensor-parallel-size 2   # tp x pp engine
+    raypack serve --num-replicas 2 --num-cpus 0.5                    # two replicas
+    raypack serve --min-replicas 1 --max-replicas 4                  # Serve's autoscaling
 
 Starts a local Ray instance (or joins --address), serves until Ctrl-C or SIGTERM. `--port 0` picks a free
 port and logs it. With tp x pp > 1 the replica reserves its engine's workers in its own
@@ -18,12 +20,7 @@ import socket
 import threading
 
 from pipeline.cli import HelpFormatter
-from pipeline.serve.cli import (
-    add_admission_arguments,
-    add_engine_arguments,
-    add_limit_arguments,
-    serve_config_from_args,
-)
+from pipeline.serve.cli import add_app_arguments, serve_config_from_args
 
 logger = logging.getLogger("raypack.serve")
 
@@ -39,9 +36,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--ray-num-cpus", type=int, default=None, help="CPUs of a local Ray (default: all)"
     )
-    add_engine_arguments(parser)
-    add_admission_arguments(parser)
-    add_limit_arguments(parser)
+    add_app_arguments(parser)  # the same flags `serve run pipeline.serve:build_app` takes
     return parser
 
 

@@ -1,6 +1,8 @@
 """Online serving: an OpenAI-compatible Ray Serve app with a staging queue and admission control.
 
-`build_app(ServeConfig(...))` is the Serve application; see README "Online serving".
+`build_app(ServeConfig(...))` is the Serve application, and `pipeline.serve:build_app` is Ray
+Serve's app builder (`serve run pipeline.serve:build_app model=... num_replicas=2`, or a `serve
+deploy` config file: docs/serve-config.yaml); see README "Online serving".
 """
 
 from pipeline.serve.config import ServeConfig

@@ -2,7 +2,9 @@
 
 `build_app(config)` gives a Serve application; `serve.run(build_app(config))` serves
 POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-POST /tokenize, POST /detokenize (vLLM's shapes, pipeline/serve/tokens.py) and GET /health.
+POST /tokenize, POST /detokenize (vLLM's shapes, pipeline/serve/tokens.py) and GET /health,
+each response naming its replica (`x-raypack-replica`). `build_app` is also Ray Serve's app
+builder (`serve run pipeline.serve:build_app model=... num_replicas=2`).
 The FastAPI app is built per replica (`__serve_build_asgi_app__`), around that replica's engine,
 so nothing lives at module level.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,11 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from packing.admission import AdmissionConfig
 from pipeline.serve.auth import check_api_key, load_api_keys
+from pipeline.serve.cli import serve_config_from_app_args
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.errors import APIError
 from pipeline.serve.guard import GuardLimits, GuardMiddleware
 from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.protocol import HealthResponse
+from pipeline.serve.replicas import ReplicaHeader
 from pipeline.serve.service import OpenAIService, Prepared
 from pipeline.serve.staging import EngineLoop
 from pipeline.serve.tokens import detokenize, model_card, tokenize
@@ -182,7 +186,11 @@ class OpenAIDeployment:
             self._engine.max_model_len,
             self._engine.vocab_size,
         )
-        return create_api(service, self._api_keys, self._metrics)
+        api = create_api(service, self._api_keys, self._metrics)
+        # outermost: even the guard's own 4xx name the replica that answered
+        replica = serve.get_replica_context().replica_id.unique_id
+        api.add_middleware(ReplicaHeader, replica=replica)  # type: ignore[arg-type]
+        return api
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's user_config hook: `{"admission": {AdmissionConfig fields}}` switches the
@@ -201,20 +209,43 @@ class OpenAIDeployment:
             raise RuntimeError("the engine step loop stopped")
 
 
-def build_app(config: ServeConfig) -> Application:
-    """The Serve application for `config` (one replica owning one engine).
+def build_app(args: ServeConfig | Mapping[str, Any]) -> Application:
+    """The Serve application: `config.replicas` replicas, each owning one engine.
 
-    To switch the admission rule of the live replica without reloading the model, call
+    Also Ray Serve's app builder: given a dict of arguments (what `serve run
+    pipeline.serve:build_app model=... num_replicas=2` passes, or `args:` in a `serve deploy`
+    config file), each `key=value` is the flag `--key value` of `raypack serve`
+    (pipeline/serve/cli.py), so the command, `serve run` and `serve deploy` build one app.
+
+    To switch the admission rule of the live replicas without reloading the model, call
     `serve.get_app_handle(name).reconfigure.remote({"admission": {...}})` (or set
     `user_config` in a `serve deploy` config file, which Serve applies in place).
     """
+    if isinstance(args, ServeConfig):
+        config = args
+    else:
+        config = serve_config_from_app_args(args)
     deployment = OpenAIDeployment.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.ongoing_limit,
-        ray_actor_options={"num_cpus": config.num_cpus},
+        **replica_options(config),
         **placement_options(config),
     )
     app: Application = deployment.bind(config)
     return app
+
+
+def replica_options(config: ServeConfig) -> dict[str, Any]:
+    """Serve options for the replicas: their count (fixed, or an `autoscaling_config` aiming
+    at the engine's max_num_seqs requests in progress unless told otherwise) and each one's
+    resources (`num_cpus`; one GPU when its single-process engine runs on CUDA; a tp x pp
+    engine's GPUs are in its workers' bundles, placement_options)."""
+    actor: dict[str, Any] = {"num_cpus": config.num_cpus}
+    if config.engine.world_size == 1 and _uses_gpu(config.engine.device):
+        actor["num_gpus"] = 1
+    return {
+        "ray_actor_options": actor,
+        **config.replicas.deployment_options(default_target=config.engine.max_num_seqs),
+    }
 
 
 def placement_options(config: ServeConfig) -> dict[str, Any]:

@@ -1,12 +1,29 @@
-"""Command-line flags for serving (shared by jobs/serve.py and benchmarks/bench_serve.py)."""
+"""Command-line flags for serving (shared by jobs/serve.py and benchmarks/bench_serve.py), and
+the same flags as Ray Serve app-builder arguments (`serve run pipeline.serve:build_app
+model=... num_replicas=2`, or `args:` in a `serve deploy` config file)."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from typing import NoReturn
 
 from packing.admission import POLICIES, AdmissionConfig
 from pipeline.engine_flags import add_engine_flags, engine_config_from_args
 from pipeline.serve.config import API_KEYS_ENV, ServeConfig
+from pipeline.serve.replicas import Replicas
+
+# `raypack serve` flags that are not the app's: Serve's own config sets them for `serve run`
+# and `serve deploy` (http_options, the cluster address).
+COMMAND_ONLY = ("host", "port", "address", "ray_num_cpus")
+
+
+def add_app_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag that shapes the app (all of `raypack serve`'s but where it listens)."""
+    add_engine_arguments(parser)
+    add_admission_arguments(parser)
+    add_limit_arguments(parser)
+    add_replica_arguments(parser)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +34,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         default=None,
         help="name clients pass as `model` (default: the model folder's name)",
+    )
+    group.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="the engine's device; cuda: one GPU per replica (default: cuda when the Ray "
+        "cluster the app is built on has GPUs)",
     )
 
 
@@ -70,7 +94,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-keys-env", default=API_KEYS_ENV, help="env var with comma-separated API keys"
     )
     group.add_argument("--api-keys-file", default=None, help="file with one API key per line")
-    group.add_argument("--num-cpus", type=float, default=d.num_cpus, help="CPUs for the replica")
+    group.add_argument("--num-cpus", type=float, default=d.num_cpus, help="CPUs for each replica")
     group.add_argument(
         "--body-timeout-s", type=float, default=d.body_timeout_s, help="whole body within (408)"
     )
@@ -103,6 +127,28 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    """A fixed replica count, or Ray Serve's autoscaling between bounds."""
+    group = parser.add_argument_group("replicas (each with its own engine)")
+    group.add_argument("--num-replicas", type=int, default=None, help="a fixed count (default: 1)")
+    group.add_argument(
+        "--min-replicas",
+        type=int,
+        default=None,
+        help="autoscaling: fewest replicas (default: 1; needs --max-replicas)",
+    )
+    group.add_argument(
+        "--max-replicas", type=int, default=None, help="autoscaling: most replicas (turns it on)"
+    )
+    group.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=None,
+        help="autoscaling: requests in progress per replica to aim at "
+        "(default: --max-num-seqs, what one engine runs at once)",
+    )
+
+
 def admission_from_args(args: argparse.Namespace, **overrides: object) -> AdmissionConfig:
     """The AdmissionConfig the flags describe (with `overrides` applied)."""
     values: dict[str, object] = dict(
@@ -127,7 +173,7 @@ def serve_config_from_args(
     args: argparse.Namespace, admission: AdmissionConfig | None = None
 ) -> ServeConfig:
     """The ServeConfig the flags describe; ValueError names a bad flag value."""
-    engine = engine_config_from_args(args)
+    engine = engine_config_from_args(args, device=args.device)
     return ServeConfig(
         engine=engine,
         admission=admission or admission_from_args(args),
@@ -145,4 +191,54 @@ def serve_config_from_args(
         max_requests_per_client=args.max_requests_per_client,
         max_ongoing_requests=args.max_ongoing_requests,
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
+        replicas=Replicas(
+            num_replicas=args.num_replicas,
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests,
+        ),
     )
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """A parser whose errors are ValueErrors (an app builder must not exit its process)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def serve_config_from_app_args(app_args: Mapping[str, object]) -> ServeConfig:
+    """The ServeConfig of Ray Serve app-builder arguments: each `key=value` is the flag
+    `--key value` of `raypack serve` (dashes or underscores), typed and validated as the flag
+    is; a switch (`no_prefix_caching`) takes true/false. ValueError names a bad argument."""
+    parser = _RaisingParser(prog="pipeline.serve:build_app", add_help=False, allow_abbrev=False)
+    add_app_arguments(parser)
+    options = parser._option_string_actions
+    argv: list[str] = []
+    for key, value in app_args.items():
+        name = str(key).replace("_", "-")
+        if name.replace("-", "_") in COMMAND_ONLY:
+            raise ValueError(
+                f"argument {key!r} is `raypack serve`'s; with Serve's CLI set it in Serve's own"
+                " config (http_options, the cluster address)"
+            )
+        action = options.get(f"--{name}")
+        if action is None:
+            raise ValueError(f"unknown argument {key!r} (the flags of `raypack serve --help`)")
+        if value is None:
+            continue
+        if action.nargs == 0:  # a switch
+            if _truth(key, value):
+                argv.append(f"--{name}")
+        else:
+            argv.append(f"--{name}={value}")  # one token: a value may start with '-'
+    return serve_config_from_args(parser.parse_args(argv))
+
+
+def _truth(key: object, value: object) -> bool:
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError(f"argument {key!r} is a switch: true or false, got {value!r}")

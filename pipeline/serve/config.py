@@ -1,4 +1,5 @@
-"""Settings of one serving replica: the engine, the admission rule and the protective limits."""
+"""Settings of the serving app: each replica's engine, admission rule and protective limits,
+and how many replicas serve."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ from pathlib import Path
 
 from actors import EngineConfig, SamplingParams
 from packing.admission import AdmissionConfig
+from pipeline.serve.replicas import Replicas
 
 API_KEYS_ENV = "RAYPACK_API_KEYS"
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """What one replica serves and how it protects itself. Validated once, here."""
+    """What each replica serves and how it protects itself, and how many replicas serve.
+    Validated once, here."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -49,11 +52,13 @@ class ServeConfig:
     # a full staging queue, a full engine, the slow bodies and 64 more (e.g. /health), so the
     # replica answers 429 itself and Serve never queues /health behind held requests.
     max_ongoing_requests: int | None = None
-    # CPUs reserved for the replica's actor.
+    # CPUs reserved for each replica's actor (fractions allowed); on GPUs, one GPU each too.
     num_cpus: float = 1.0
     # Text inside chat messages that spells a special token (`<|im_end|>`) is tokenized as
     # plain text, so a client cannot forge a turn; True tokenizes it as the token (HF's default).
     allow_special_tokens_in_messages: bool = False
+    # How many replicas serve (each with its own engine): fixed, or Serve's autoscaling.
+    replicas: Replicas = field(default_factory=Replicas)
 
     def __post_init__(self) -> None:
         for name in (

@@ -6,7 +6,8 @@
   a staging queue of 2 (for 429), and a 2 MiB body limit (a 1 MB prompt reaches the tokenizer).
 All three give a request's body 3 s to arrive (408 beyond).
 
-Ray runs in a fresh temporary directory, started once per test session of this folder.
+Ray runs in a fresh temporary directory, started once per test session of this folder
+(`serve_instance`, which other apps, e.g. tests/serve/test_replicas.py's, share).
 """
 
 from __future__ import annotations
@@ -65,20 +66,24 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@dataclass(frozen=True)
+class ServeInstance:
+    """Where the session's Serve listens; apps are deployed on it by the fixtures that need them."""
+
+    base: str  # http://127.0.0.1:<port>
+    metrics_url: str  # Ray's Prometheus endpoint on this node
+
+
 @pytest.fixture(scope="session")
-def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    """Start Ray and Serve on a free port and deploy the three apps; shut all down after."""
+def serve_instance() -> Iterator[ServeInstance]:
+    """Start Ray (in a fresh temporary directory) and Serve on a free port, with no apps; shut
+    both down after the session."""
     import ray
     from ray import serve
 
-    from pipeline.serve import build_app
-
-    keys = tmp_path_factory.mktemp("keys") / "api_keys.txt"
-    keys.write_text(f"# test keys\n{API_KEY}\nsk-other\n")
     # A short path: Ray's unix sockets live under it.
     temp_dir = tempfile.mkdtemp(prefix="rps", dir="/tmp")
     port, metrics_port = free_port(), free_port()
-    started = time.monotonic()
     ray.init(
         num_cpus=2,
         _temp_dir=temp_dir,
@@ -88,54 +93,64 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        engine = EngineConfig(model=str(tiny_model_dir), max_num_seqs=64)
-        common = dict(
-            engine=engine,
-            served_model_name=MODEL,
-            max_tokens_limit=400,
-            num_cpus=0.2,
-            api_keys_env=None,
-            body_timeout_s=BODY_TIMEOUT_S,
-        )
-        aimd = AdmissionConfig(policy="aimd", max_wait_s=0.05, ttft_low_s=0.05, ttft_high_s=0.2)
-        apps = {
-            "main": ServeConfig(admission=aimd, max_body_bytes=16_384, **common),  # type: ignore[arg-type]
-            "auth": ServeConfig(  # type: ignore[arg-type]
-                admission=aimd,
-                max_body_bytes=16_384,
-                api_keys_file=str(keys),
-                max_ongoing_requests=48,  # fewer than tests/serve/test_slow_clients.py holds
-                **common,
-            ),
-            "held": ServeConfig(  # type: ignore[arg-type]
-                admission=AdmissionConfig(policy="fixed", window_requests=100, window_s=HOLD_S),
-                max_waiting=2,
-                retry_after_s=3,
-                max_body_bytes=HELD_MAX_BODY,  # room for a 1 MB prompt (tokenized, then a 400)
-                **common,
-            ),
-        }
-        serve.run_many(  # deployed side by side: each replica loads torch once
-            [
-                serve.RunTarget(build_app(config), name, "/" if name == "main" else f"/{name}")
-                for name, config in apps.items()
-            ]
-        )
-        live = Live(
-            f"http://127.0.0.1:{port}",
-            tiny_model_dir,
-            apps,
-            f"http://127.0.0.1:{metrics_port}/metrics",
-        )
-        requests.get(live.url("/health"), timeout=10).raise_for_status()
-        logger.info("live serve apps up in %.1f s", time.monotonic() - started)
-        yield live
+        yield ServeInstance(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def live(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, serve_instance: ServeInstance
+) -> Live:
+    """Deploy the three apps on the session's Serve (they go when it shuts down)."""
+    from ray import serve
+
+    from pipeline.serve import build_app
+
+    keys = tmp_path_factory.mktemp("keys") / "api_keys.txt"
+    keys.write_text(f"# test keys\n{API_KEY}\nsk-other\n")
+    started = time.monotonic()
+    engine = EngineConfig(model=str(tiny_model_dir), max_num_seqs=64)
+    common = dict(
+        engine=engine,
+        served_model_name=MODEL,
+        max_tokens_limit=400,
+        num_cpus=0.2,
+        api_keys_env=None,
+        body_timeout_s=BODY_TIMEOUT_S,
+    )
+    aimd = AdmissionConfig(policy="aimd", max_wait_s=0.05, ttft_low_s=0.05, ttft_high_s=0.2)
+    apps = {
+        "main": ServeConfig(admission=aimd, max_body_bytes=16_384, **common),  # type: ignore[arg-type]
+        "auth": ServeConfig(  # type: ignore[arg-type]
+            admission=aimd,
+            max_body_bytes=16_384,
+            api_keys_file=str(keys),
+            max_ongoing_requests=48,  # fewer than tests/serve/test_slow_clients.py holds
+            **common,
+        ),
+        "held": ServeConfig(  # type: ignore[arg-type]
+            admission=AdmissionConfig(policy="fixed", window_requests=100, window_s=HOLD_S),
+            max_waiting=2,
+            retry_after_s=3,
+            max_body_bytes=HELD_MAX_BODY,  # room for a 1 MB prompt (tokenized, then a 400)
+            **common,
+        ),
+    }
+    serve.run_many(  # deployed side by side: each replica loads torch once
+        [
+            serve.RunTarget(build_app(config), name, "/" if name == "main" else f"/{name}")
+            for name, config in apps.items()
+        ]
+    )
+    live = Live(serve_instance.base, tiny_model_dir, apps, serve_instance.metrics_url)
+    requests.get(live.url("/health"), timeout=10).raise_for_status()
+    logger.info("live serve apps up in %.1f s", time.monotonic() - started)
+    return live
 
 
 @pytest.fixture(scope="session")
