@@ -28,7 +28,11 @@ class EngineConfig:
     trust_remote_code: bool = False
     max_num_batched_tokens: int = 512  # the per-step token budget (decodes + prefill chunks)
     max_num_seqs: int = 256  # running requests at most
-    chunk_size: int | None = None  # prefill tokens per request per step; None: budget-limited
+    # Prefill tokens per request per step; with it, running prefills also leave room for the
+    # next admission's first chunk while one waits (actors/scheduler.py), so a long prompt
+    # cannot hold newcomers back. None: a prefill may take the whole step (the offline job's
+    # throughput default); Serve uses half the budget when it is None (pipeline/serve/config.py).
+    chunk_size: int | None = None
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
     # 1 GiB holds ~23K tokens of SmolLM2-135M in float32 (128 running sequences of ~180

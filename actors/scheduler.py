@@ -2,7 +2,10 @@
 
 Decode-maximal batching (Sarathi): running requests that decode go first (one token each),
 then running requests still in prefill, then new admissions in the planned order, each chunk
-capped by `chunk_size` and by what is left of `max_num_batched_tokens`. Admission is by KV
+capped by `chunk_size` and by what is left of `max_num_batched_tokens`. With a `chunk_size`,
+running prefills also leave room for the next admission's first chunk while one waits (at
+most half the budget; what it does not use goes back to them), so long prompts in prefill,
+however many, never hold a newcomer back: it starts in the next step. Admission is by KV
 blocks (BatchLLM's memory-centric batching); `max_num_seqs` is only a cap. When a running
 request cannot grow, the newest running request is preempted: its blocks are freed and it is
 recomputed later (its full blocks usually come back from the prefix cache).
@@ -80,12 +83,19 @@ class Scheduler:
 
         decoding = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefilling = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        reserve = self._admission_reserve(chunk) if prefilling else 0
+        held_back: list[Request] = []  # prefills given less than their chunk for the reserve
         for req in decoding + prefilling:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(req.num_uncomputed_tokens, chunk, budget)
+            wanted = min(req.num_uncomputed_tokens, chunk)
+            num_new = min(wanted, budget if wanted == 1 else budget - reserve)
+            if num_new < min(wanted, budget):
+                held_back.append(req)
+            if num_new <= 0:
+                continue
             while self.kv.allocate(req, req.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -123,6 +133,7 @@ class Scheduler:
             plan[req.request_id] = (req, num_new)
             budget -= num_new
 
+        self._give_back(held_back, plan, budget, chunk)
         out.scheduled = list(plan.values())
         if not out.scheduled and not self.running and self.waiting:
             self._fail_unschedulable()
@@ -161,6 +172,42 @@ class Scheduler:
         if prefix in self.prefix_holders:
             self.prefix_holders.remove(prefix)
         self.finish([prefix], "stop")
+
+    def _give_back(
+        self,
+        held_back: list[Request],
+        plan: dict[str, tuple[Request, int]],
+        budget: int,
+        chunk: int,
+    ) -> None:
+        """Give what the admissions left of the reserve back to the prefills held back for it
+        (up to their chunk; only from free blocks, never by preempting)."""
+        for req in held_back:
+            if budget == 0:
+                return
+            if req.status is not RequestStatus.RUNNING:  # preempted in this step
+                continue
+            num_new = plan[req.request_id][1] if req.request_id in plan else 0
+            extra = min(min(req.num_uncomputed_tokens, chunk) - num_new, budget)
+            total = req.num_computed_tokens + num_new + extra
+            if extra > 0 and self.kv.allocate(req, total) is not None:
+                plan[req.request_id] = (req, num_new + extra)
+                budget -= extra
+
+    def _admission_reserve(self, chunk: int) -> int:
+        """Budget that running prefills leave for the next admission's first chunk: none
+        without a `chunk_size` (a prefill may take the whole step), when nothing can be
+        admitted (no one waiting, `max_num_seqs` running, or too few free blocks), and at
+        most half the budget, so running prefills always progress."""
+        if self.config.chunk_size is None or len(self.running) >= self.config.max_num_seqs:
+            return 0
+        head = self._next_admissible()
+        if head is None:
+            return 0
+        reserve = min(head.num_tokens, chunk, self.config.max_num_batched_tokens // 2)
+        if self.kv.num_free_blocks < self.kv.blocks_for(reserve) + self.watermark_blocks:
+            return 0
+        return reserve
 
     def _next_admissible(self) -> Request | None:
         for req in self.waiting:

@@ -61,7 +61,8 @@ def add_engine_flags(
     g.add_argument(
         "--chunk-size",
         type=int,
-        help="prefill tokens per request per step (default: limited by the step budget only)",
+        help="prefill tokens per request per step; with it, prefills leave room for a waiting "
+        "request's first chunk (default: the step budget; serving: half of it)",
     )
     g.add_argument(
         "--kv-cache-memory-gb",

@@ -3,7 +3,7 @@ and how many replicas serve."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from actors import EngineConfig, SamplingParams
@@ -61,6 +61,10 @@ class ServeConfig:
     replicas: Replicas = field(default_factory=Replicas)
 
     def __post_init__(self) -> None:
+        if self.engine.chunk_size is None:  # online: a long prompt shares steps with newcomers
+            object.__setattr__(
+                self, "engine", replace(self.engine, chunk_size=serve_chunk_size(self.engine))
+            )
         for name in (
             "max_waiting",
             "max_body_bytes",
@@ -102,3 +106,10 @@ class ServeConfig:
         if self.served_model_name:
             return self.served_model_name
         return Path(self.engine.model).name or self.engine.model
+
+
+def serve_chunk_size(engine: EngineConfig) -> int:
+    """Serving's prefill tokens per request per step when the engine names none: half the
+    step budget, so one long prompt leaves half of every step to decodes and newcomers (and
+    with a chunk size the scheduler keeps room for a newcomer however many prompts prefill)."""
+    return max(1, engine.max_num_batched_tokens // 2)
