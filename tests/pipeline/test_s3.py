@@ -113,10 +113,42 @@ def test_inputs_lock_and_resume_state_on_s3(s3):
     assert data_files(out, prefix) == [f"{out}/{prefix}_w_0-0.parquet"]
 
 
+def _put_folder(uri: str, folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            storage.write_bytes(f"{uri}/{path.relative_to(folder)}", path.read_bytes())
+
+
+def test_model_folder_on_s3_is_copied_once(s3, tiny_model_dir, tmp_path, monkeypatch):
+    from actors.loader import load_tokenizer, resolve
+
+    monkeypatch.setenv("RAYPACK_CACHE_DIR", str(tmp_path / "cache"))
+    uri = f"s3://{s3['BUCKET']}/models/tiny"
+    _put_folder(uri, tiny_model_dir)
+    local = resolve(uri)
+    assert local.gguf_file is None and local.path.is_relative_to(tmp_path / "cache")
+    expected = sorted(p.relative_to(tiny_model_dir) for p in tiny_model_dir.rglob("*"))
+    assert sorted(p.relative_to(local.path) for p in local.path.rglob("*")) == expected
+    assert (local.path / "config.json").read_bytes() == (
+        tiny_model_dir / "config.json"
+    ).read_bytes()
+    stamp = (local.path / "config.json").stat().st_mtime_ns
+    assert resolve(uri) == local and (local.path / "config.json").stat().st_mtime_ns == stamp
+    assert (
+        load_tokenizer(uri)("hello").input_ids
+        == load_tokenizer(str(tiny_model_dir))("hello").input_ids
+    )
+    assert [p.name for p in local.path.parent.iterdir()] == [local.path.name]  # no staging left
+    storage.write_bytes(f"{uri}/extra.txt", b"changed")  # a changed model is a new copy
+    assert resolve(uri).path != local.path
+    with pytest.raises(FileNotFoundError, match="nothing there"):
+        resolve(f"s3://{s3['BUCKET']}/models/none")
+
+
 def _driver(s3: dict[str, str], ray_address: str, args: list[str], log: Path) -> subprocess.Popen:
     """jobs/generate.py joined to the test cluster, as `ray job submit` runs it: the job's
     runtime_env hands the S3 settings to its Ray workers."""
-    aws = {k: v for k, v in s3.items() if k.startswith("AWS_")}
+    aws = {k: v for k, v in s3.items() if k.startswith(("AWS_", "RAYPACK_"))}
     job_config = json.dumps({"runtime_env": {"env_vars": aws}, "metadata": {}})
     env = {
         **os.environ,
@@ -161,16 +193,18 @@ def _complete_rows(out: str) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_s3_job_killed_resumed_and_rerun(ray_cluster, prompt_table, tiny_model_dir, s3, tmp_path):
-    """s3:// in and out: a driver killed once its first file is on S3, a rerun that resumes
-    it, and one more rerun that finds nothing to do; every id once, tokens equal Hugging
-    Face's on each prompt alone, the report on S3."""
+    """s3:// in and out, and the model on S3: a driver killed once its first file is on S3, a
+    rerun that resumes it, and one more rerun that finds nothing to do; every id once, tokens
+    equal Hugging Face's on each prompt alone (the local model), the report on S3."""
     root = f"s3://{s3['BUCKET']}"
-    source, out = f"{root}/in.parquet", f"{root}/out"
+    source, out, model = f"{root}/in.parquet", f"{root}/out", f"{root}/model"
     _put_table(source, pq.read_table(prompt_table))
+    _put_folder(model, tiny_model_dir)
+    s3 = {**s3, "RAYPACK_CACHE_DIR": str(tmp_path / "cache")}  # the copy of the model
     args = [
         "--input", source, "--output", out, "--template", TEMPLATE,
         "--sampling-column", "sampling", "--keep-columns", "doc_id",
-        "--model", str(tiny_model_dir), "--max-tokens", "24", "--max-rows-per-shard", "2",
+        "--model", model, "--max-tokens", "24", "--max-rows-per-shard", "2",
         "--num-partitions", "2", "--num-cpus-per-actor", "0.25", "--actor-resource",
         "fake_gpu=1", "--json",
     ]  # fmt: skip
@@ -202,6 +236,8 @@ def test_s3_job_killed_resumed_and_rerun(ray_cluster, prompt_table, tiny_model_d
     assert (again["rows"], again["rows_skipped"]) == (0, len(rows()))
     assert _read_output(out) == got
     assert storage.kind(f"{out}/{LOCK_FILE}") is None  # released
+    copies = [p for p in (tmp_path / "cache" / "remote-models").iterdir() if p.name[0] != "."]
+    assert len(copies) == 1, copies  # one copy of the model for the driver and every actor
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
