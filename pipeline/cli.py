@@ -45,9 +45,14 @@ def add_io_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--input",
         required=True,
-        help="Parquet/JSONL/CSV file, folder or glob, or a datasets.save_to_disk folder",
+        help="Parquet/JSONL/CSV file, folder or glob, local or a URI (s3://, gs://), or a local "
+        "datasets.save_to_disk folder",
     )
-    g.add_argument("--output", required=True, help="output folder (Parquet); a rerun resumes it")
+    g.add_argument(
+        "--output",
+        required=True,
+        help="output folder (Parquet), local or a URI (s3://, gs://); a rerun resumes it",
+    )
     g.add_argument(
         "--input-format",
         choices=["parquet", "jsonl", "csv", "hf"],

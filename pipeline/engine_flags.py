@@ -41,7 +41,9 @@ def add_engine_flags(
     d = EngineConfig()
     g = parser.add_argument_group(title)
     g.add_argument(
-        "--model", default=d.model, help="'smollm2' (embedded), a local HF folder or a .gguf file"
+        "--model",
+        default=d.model,
+        help="'smollm2' (embedded), a local HF folder or a .gguf file, or one at a URI (s3://...)",
     )
     g.add_argument(
         "--dtype",
