@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,18 +18,17 @@ import torch
 from actors import limits, loader
 from actors.config import EngineConfig, SamplingParams
 from actors.detokenizer import Detokenizer
-from actors.kv_cache import KVCacheManager
-from actors.model_runner import ModelRunner
+from actors.model_runner import ModelRunner, StepRunner
 from actors.outputs import FinishReason, RequestOutput, TokenLogprob
 from actors.prefix_plan import plan_groups, planned_order
 from actors.request import PrefixGroupState, Request, RequestStatus
 from actors.sampler import Sampler
-from actors.scheduler import Scheduler
+from actors.scheduler import SchedulerOutput
 from actors.stats import EngineStats, StepStats
 from actors.tokenization import encode_text
+from actors.virtual_schedulers import VirtualSchedulers
 
 if TYPE_CHECKING:
-    from actors.parallel.executor import ParallelExecutor
     from packing.prefix import PrefixGroup
 
 logger = logging.getLogger(__name__)
@@ -37,23 +37,26 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class LLMEngine:
-    """One model, one paged KV pool, one scheduler. Not thread-safe; one caller drives it.
+    """One model, one paged KV pool, a scheduler per request set, an executor. Not
+    thread-safe; one caller drives it.
 
-    `model` and `tokenizer` may be given (tests pass tiny models); otherwise both are loaded
-    from `config.model`. The engine switches the model's attention to `raypack_paged`.
+    Each step is schedule -> execute -> postprocess. The executor (`self.runner`) is chosen
+    once from the config: a `ModelRunner` in this process, or tensor/pipeline-parallel Ray
+    workers (`actors.parallel`), which with pp > 1 keep pp steps in flight, one per request
+    set. `model` and `tokenizer` may be given (tests pass tiny models); otherwise both are
+    loaded from `config.model`. The engine switches the model's attention to `raypack_paged`.
     """
 
-    def __new__(cls, config: EngineConfig | None = None, **kwargs: Any) -> LLMEngine:
-        """pp > 1 builds `actors.parallel.pipelined.PipelinedEngine` (steps overlap)."""
-        if cls is LLMEngine and config is not None and config.pipeline_parallel_size > 1:
-            from actors.parallel.pipelined import PipelinedEngine
-
-            return super().__new__(PipelinedEngine)
-        return super().__new__(cls)
-
     def __init__(
-        self, config: EngineConfig | None = None, *, model: Any = None, tokenizer: Any = None
+        self,
+        config: EngineConfig | None = None,
+        *,
+        model: Any = None,
+        tokenizer: Any = None,
+        compiled_graph: bool | None = None,
     ) -> None:
+        """`compiled_graph` (pp > 1 only): True runs steps through a Ray compiled graph, False
+        through one Ray task per worker per step, None chooses (`actors.parallel.pipelined`)."""
         self.config = config = config or EngineConfig()
         if config.world_size > 1:  # workers load the weights; this is the skeleton only
             from actors.parallel.placement import worker_device
@@ -80,15 +83,29 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or limits.blocks_from_memory(model, config)
         self.max_model_len = limits.max_model_len(model, config, num_blocks)
         self.vocab_size = model.config.get_text_config().vocab_size
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv)
-        self.runner: ModelRunner | ParallelExecutor
+        # The executor, chosen once from the config: this process, or tp x pp Ray workers.
+        self.runner: StepRunner
         if config.world_size > 1:
-            from actors.parallel.executor import ParallelExecutor
+            from actors.parallel.pipelined import start_executor
 
-            self.runner = ParallelExecutor(config, num_blocks, dtype)
+            self.runner = start_executor(config, num_blocks, dtype, compiled_graph)
+        elif compiled_graph:
+            raise ValueError("compiled_graph needs pipeline_parallel_size > 1")
         else:
             self.runner = ModelRunner(model, config, num_blocks)
+        # One request set per step that can be in flight, each with its own slice of the
+        # KV pool (pp sets for a pipeline-parallel engine, else one).
+        sets = self.runner.max_in_flight
+        self.blocks_per_set = num_blocks // sets
+        if self.blocks_per_set < 1:
+            self.runner.shutdown()
+            raise ValueError(f"{num_blocks} KV blocks cannot be split into {sets} sets")
+        self.scheduler = VirtualSchedulers(config, self.blocks_per_set, sets)
+        self.kv = self.scheduler.kvs[0]  # the KV pool (the first set's when there are several)
+        self.max_model_len = min(self.max_model_len, self.blocks_per_set * config.block_size)
+        self._in_flight: deque[tuple[int, SchedulerOutput, Any, float]] = deque()
+        self._next_set = 0
+        self._last_step_end = 0.0
         self.sampler = Sampler(limits.eos_token_ids(model, tokenizer), seed=config.seed)
         self.detokenizer = Detokenizer(tokenizer)
         self._requests: dict[str, Request] = {}  # unfinished user requests
@@ -122,18 +139,19 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
-        self.scheduler.finish([req], "abort")
+        self.scheduler.finish([req], "abort")  # a step in flight skips it when it returns
         self._finish_time(req)
         self._pending.append(self._output(req))
 
     def has_unfinished(self) -> bool:
-        """True while any request is waiting or running (or has an output not yet returned)."""
-        return bool(self._requests or self._pending)
+        """True while any request is waiting or running (or has an output not yet returned,
+        or a step in flight)."""
+        return bool(self._requests or self._pending or self._in_flight)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block, as vLLM's `LLM.reset_prefix_cache`; only while
         no request is unfinished (returns False and changes nothing otherwise)."""
-        return not self.has_unfinished() and self.kv.reset_prefix_cache()
+        return not self.has_unfinished() and self.scheduler.reset_prefix_cache()
 
     @property
     def stats(self) -> EngineStats:
@@ -144,37 +162,66 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step: schedule, run the model, sample, postprocess. Returns one output per
-        request that got a token or finished in this step."""
+        request that got a token or finished in this step.
+
+        With several request sets (pp > 1) the step keeps one step of each set in flight:
+        it submits a step for every idle set with work, then collects the oldest, samples it
+        and submits that set's next step before returning, so the stages overlap."""
         outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
-        for req in self.scheduler.failed:
-            outputs.append(self._retire(req))
-        self.scheduler.failed.clear()
-        if not sched.scheduled:
+        self._fill(outputs)
+        if not self._in_flight:
             return outputs
-        started = time.perf_counter()
-        sampling, logits = self.runner.execute(sched)
-        self.scheduler.update_after_step(sched)
-        self._apply_samples(sampling, logits, self.scheduler.finish, outputs)
-        self._stats.record(self, sched, time.perf_counter() - started)
+        index, sched, handle, submitted = self._in_flight.popleft()
+        started = max(submitted, self._last_step_end)  # overlapping steps counted once
+        sampling, logits = self.runner.collect(handle)
+        self.scheduler.schedulers[index].update_after_step(sched)
+        self._apply_samples(sampling, logits, outputs)
+        self._last_step_end = time.perf_counter()
+        self._stats.record(sched, self._last_step_end - started, self.scheduler)
+        if self.runner.max_in_flight > 1:
+            self._fill(outputs)  # the set just sampled can go again before we wait
         return outputs
+
+    def _fill(self, outputs: list[RequestOutput]) -> None:
+        """Schedule and submit a step for each idle request set with work, in turn, up to the
+        executor's `max_in_flight` (with one set: the next step, run at once in process)."""
+        count = len(self.scheduler.schedulers)
+        busy = {index for index, _, _, _ in self._in_flight}
+        for offset in range(count):
+            if len(self._in_flight) >= self.runner.max_in_flight:
+                return
+            index = (self._next_set + offset) % count
+            scheduler = self.scheduler.schedulers[index]
+            if index in busy or not scheduler.has_unfinished():
+                continue
+            sched = scheduler.schedule()
+            for req in scheduler.failed:
+                self.scheduler.release(req.request_id)
+                outputs.append(self._retire(req))
+            scheduler.failed.clear()
+            if not sched.scheduled:
+                continue
+            submitted = time.perf_counter()
+            handle = self.runner.submit(sched, index * self.blocks_per_set)
+            self._in_flight.append((index, sched, handle, submitted))
+            busy.add(index)
+            self._next_set = (index + 1) % count
 
     def _apply_samples(
         self,
         sampling: list[Request],
         logits: torch.Tensor,
-        finish: Callable[[list[Request], FinishReason], None],
         outputs: list[RequestOutput],
     ) -> None:
         """Sample one token per request, append it, and retire the requests that stop
-        (`finish` frees them in their scheduler); an output per request that got a token.
+        (freed in their request set); an output per request that got a token.
         A request whose sampling or postprocessing raises ends alone with an error."""
         sampled = self.sampler.sample_each(logits, sampling)
         finished: dict[FinishReason, list[Request]] = {}
         for row, (req, token_id, logprob) in enumerate(
             zip(sampling, sampled.token_ids, sampled.logprobs, strict=True)
         ):
-            if req.finished:  # aborted while its step was in flight (pipelined engines)
+            if req.finished:  # aborted while its step was in flight
                 continue
             error = sampled.errors.get(row)
             if error is None:
@@ -186,7 +233,7 @@ class LLMEngine:
             else:
                 outputs.append(self._output(req))
         for reason, reqs in finished.items():
-            finish(reqs, reason)
+            self.scheduler.finish(reqs, reason)
             outputs.extend(self._retire(req) for req in reqs)
 
     def add_prompts(

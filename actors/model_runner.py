@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -122,3 +122,38 @@ class ModelRunner:
         self.copy_blocks(sched.block_copies)
         inputs = self.prepare(sched)
         return inputs.sampling, self.forward(inputs)
+
+    # The executor interface the engine drives (`StepRunner`): in one process a step runs
+    # when it is submitted, and its handle is its result.
+    max_in_flight = 1
+
+    def submit(
+        self, sched: SchedulerOutput, block_offset: int = 0
+    ) -> tuple[list[Request], torch.Tensor]:
+        """Run one step now (one KV pool: `block_offset` is 0)."""
+        assert block_offset == 0, "a single-process runner has one KV pool"
+        return self.execute(sched)
+
+    def collect(
+        self, handle: tuple[list[Request], torch.Tensor]
+    ) -> tuple[list[Request], torch.Tensor]:
+        """The submitted step's sampling requests and logits."""
+        return handle
+
+    def shutdown(self) -> None:
+        """Nothing to release (the model is the caller's)."""
+
+
+class StepRunner(Protocol):
+    """What the engine drives, the executor: a single-process `ModelRunner`, or a tensor/
+    pipeline-parallel `actors.parallel.executor.ParallelExecutor` (or its compiled graph).
+    `submit` starts a step on the request set whose KV blocks start at `block_offset`;
+    `collect` waits for it; up to `max_in_flight` steps are submitted and not yet collected."""
+
+    max_in_flight: int
+
+    def submit(self, sched: SchedulerOutput, block_offset: int = 0) -> Any: ...
+
+    def collect(self, handle: Any) -> tuple[list[Request], torch.Tensor]: ...
+
+    def shutdown(self) -> None: ...

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from actors.engine import LLMEngine
     from actors.scheduler import SchedulerOutput
+    from actors.virtual_schedulers import VirtualSchedulers
 
 logger = logging.getLogger("actors.engine")
 
@@ -39,8 +39,9 @@ class StepStats:
         self._window_tokens = 0  # since the last summary line
         self._window_seconds = 0.0
 
-    def record(self, engine: LLMEngine, sched: SchedulerOutput, seconds: float) -> None:
-        """Count one step that ran `sched` in `seconds`."""
+    def record(self, sched: SchedulerOutput, seconds: float, sets: VirtualSchedulers) -> None:
+        """Count one step that ran `sched` in `seconds` (`sets`: the engine's requests, for
+        the summary line)."""
         tokens = sched.total_num_scheduled_tokens
         self.steps += 1
         self.total_tokens += tokens
@@ -48,17 +49,16 @@ class StepStats:
         self._window_tokens += tokens
         self._window_seconds += seconds
         if self.steps % LOG_EVERY_STEPS == 0:
-            s = engine.scheduler
             logger.info(
                 "step %d: %.0f tokens/s over the last %d steps, running %d, waiting %d, "
                 "KV usage %.0f%%, preemptions %d",
                 self.steps,
                 self._window_tokens / max(self._window_seconds, 1e-9),
                 LOG_EVERY_STEPS,
-                len(s.running),
-                len(s.waiting),
-                100 * engine.kv.usage,
-                s.num_preemptions,
+                len(sets.running),
+                len(sets.waiting),
+                100 * sets.kv_usage,
+                sets.num_preemptions,
             )
             self._window_tokens, self._window_seconds = 0, 0.0
 

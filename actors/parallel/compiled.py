@@ -47,6 +47,7 @@ class CompiledSteps:
 
     def __init__(self, executor: ParallelExecutor, max_in_flight: int) -> None:
         self.executor = executor
+        self.max_in_flight = max_in_flight
         self.step_timeout_s = executor.step_timeout_s
         self._names: list[str] = []  # of each graph output
         self._actors: dict[str, str] = {}  # actor id (hex) -> "stage s tp rank r"

@@ -54,7 +54,8 @@ class StepHandle:
 
 
 class ParallelExecutor:
-    """`execute` / `copy_blocks` like `ModelRunner`, over tp x pp worker actors."""
+    """`submit` / `collect` / `execute` / `copy_blocks` like `ModelRunner` (the engine's
+    `StepRunner`), over tp x pp worker actors; up to pp steps in flight."""
 
     root_cause_grace_s = 5.0  # how long a failed step waits for a peer's death to surface
 
@@ -68,6 +69,7 @@ class ParallelExecutor:
     ) -> None:
         self.config = config
         self.tp, self.pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.max_in_flight = self.pp  # one step per stage (and per request set) at once
         self.step_timeout_s = step_timeout_s
         self._step = 0
         self._closed = False

@@ -98,13 +98,14 @@ def test_prefix_group_prefix_is_computed_once(
     )
     groups = prefix_groups_for(prompt_ids)
     computed = []
-    original = engine.scheduler.update_after_step
+    scheduler = engine.scheduler.schedulers[0]  # the one request set
+    original = scheduler.update_after_step
 
     def record(out):  # count every token the model computes
         computed.append(out.total_num_scheduled_tokens)
         original(out)
 
-    engine.scheduler.update_after_step = record
+    scheduler.update_after_step = record  # type: ignore[method-assign]
     outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS), groups)
     check_all(reference_models["llama"], prompt_ids, outputs, expected["llama"])
     saved = sum(g.prefix_len * (len(g.members) - 1) for g in groups)

@@ -95,13 +95,14 @@ def test_each_distinct_prefix_is_computed_once(
         num_kv_blocks=256, enable_prefix_caching=False, attention_backend=attention_backend
     )
     computed = []
-    original = engine.scheduler.update_after_step
+    scheduler = engine.scheduler.schedulers[0]  # the one request set
+    original = scheduler.update_after_step
 
     def record(out):  # count every token the model computes
         computed.append(out.total_num_scheduled_tokens)
         original(out)
 
-    engine.scheduler.update_after_step = record
+    scheduler.update_after_step = record  # type: ignore[method-assign]
     outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS), forest)
     check_all(reference_models, prompt_ids, outputs, expected)
     # Each prompt computes its tokens past its deepest group (and all but its last generated
@@ -181,8 +182,8 @@ def test_pipelined_sets_keep_a_nested_tree_together() -> None:
     """pp > 1 splits requests into sets with their own KV pools: a nested group's prefix and
     members must land in its root group's set, and leave no routing entry behind."""
     from actors.config import EngineConfig
-    from actors.parallel.pipelined import VirtualSchedulers
     from actors.request import PrefixGroupState, Request
+    from actors.virtual_schedulers import VirtualSchedulers
 
     def prefix(tokens: list[int], parent: PrefixGroupState | None) -> PrefixGroupState:
         req = Request(f"prefix-{len(tokens)}", tokens, SamplingParams(), is_prefix=True)

@@ -47,6 +47,6 @@ def test_pipelined_engine_fails_only_the_bad_requests(
     assert all(outputs[i].error is None for i in good)
     assert_same_tokens(llama_dir, [prompts[i] for i in good], got, [expected[i] for i in good])
     assert later.error is None and later.token_ids == outputs[0].token_ids
-    assert not engine.sets._owner and engine.sets._owed == [0, 0]
-    assert all(kv.num_free_blocks == kv.num_blocks for kv in engine.sets.kvs)
-    assert not engine.sets.running and not engine.sets.waiting
+    assert not engine.scheduler._owner and engine.scheduler._owed == [0, 0]
+    assert all(kv.num_free_blocks == kv.num_blocks for kv in engine.scheduler.kvs)
+    assert not engine.scheduler.running and not engine.scheduler.waiting

@@ -34,17 +34,17 @@ def test_pipeline_matches_single_process(
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_pipelined_engine_keeps_two_steps_in_flight(ray_local, llama_dir, prompts_and_groups):
-    """pp=2 builds a PipelinedEngine whose two request sets have steps in flight together,
-    through a compiled graph that stands in as the engine's runner."""
+    """pp=2: the engine's two request sets have steps in flight together, through a compiled
+    graph as the engine's executor."""
     from actors import LLMEngine, SamplingParams
     from actors.parallel.compiled import CompiledSteps
-    from actors.parallel.pipelined import PipelinedEngine, bubble_fraction
+    from actors.parallel.pipelined import bubble_fraction
 
     prompts, groups = prompts_and_groups
     engine = LLMEngine(engine_config(llama_dir, pipeline_parallel_size=2), compiled_graph=True)
     try:
-        assert isinstance(engine, PipelinedEngine)
-        assert isinstance(engine.executor, CompiledSteps) and engine.runner is engine.executor
+        assert isinstance(engine.runner, CompiledSteps) and engine.runner.max_in_flight == 2
+        assert len(engine.scheduler.schedulers) == 2
         depths = []
         fill = engine._fill
 
@@ -56,14 +56,14 @@ def test_pipelined_engine_keeps_two_steps_in_flight(ray_local, llama_dir, prompt
         outputs = engine.generate(prompts, SamplingParams(max_tokens=4), groups)
         assert all(o.finished and o.error is None for o in outputs)
         assert max(depths) == 2
-        assert not engine.sets._owner  # every request (and group) released its set
-        assert engine.sets._owed == [0, 0] and not engine.sets._weight
-        timings = engine.executor.take_timings()
+        assert not engine.scheduler._owner  # every request (and group) released its set
+        assert engine.scheduler._owed == [0, 0] and not engine.scheduler._weight
+        timings = engine.runner.take_timings()
         assert len(timings) == 2 and all(timings)
         assert [step for step, _, _ in timings[0]] == [step for step, _, _ in timings[1]]
         assert 0.0 <= bubble_fraction(timings) < 1.0
     finally:
-        engine.executor.shutdown()
+        engine.runner.shutdown()
     assert all(s["state"] == "REMOVED" for s in ray.util.placement_group_table().values())
 
 
@@ -83,8 +83,8 @@ def test_sets_balance_tokens_not_request_counts() -> None:
     each set would get half, and the long one's set would run on alone at the end); every
     request that finishes gives its tokens back."""
     from actors import EngineConfig, SamplingParams
-    from actors.parallel.pipelined import VirtualSchedulers
     from actors.request import Request
+    from actors.virtual_schedulers import VirtualSchedulers
 
     sets = VirtualSchedulers(EngineConfig(), blocks_per_set=64, count=2)
     params = SamplingParams(max_tokens=1)
