@@ -20,7 +20,7 @@ from actors.config import EngineConfig, SamplingParams
 from actors.detokenizer import Detokenizer
 from actors.model_runner import ModelRunner, StepRunner
 from actors.outputs import FinishReason, RequestOutput, TokenLogprob
-from actors.prefix_plan import plan_groups, planned_order
+from actors.prefix_sharing import plan_groups, planned_order
 from actors.request import PrefixGroupState, Request, RequestStatus
 from actors.sampler import Sampler
 from actors.scheduler import SchedulerOutput

@@ -110,9 +110,9 @@ class InferStage(Stage):
             stage.SAMPLING,
             stage.ERROR,
             stage.GROUP_SIZES,
-            stage.ENGINE_GROUP_MEMBERS,
-            stage.ENGINE_GROUP_PREFIX_LENS,
-            stage.ENGINE_GROUP_PARENTS,
+            stage.PREFIX_GROUP_MEMBERS,
+            stage.PREFIX_GROUP_PREFIX_LENS,
+            stage.PREFIX_GROUP_PARENTS,
         )
 
     def column_help(self) -> dict[str, str]:
@@ -262,7 +262,7 @@ class _Layout:
 
     @classmethod
     def of(cls, shard: pa.Table, members: _Members, runnable: list[int]) -> _Layout:
-        """Read a shard row's `group_*` and `engine_group_*` columns."""
+        """Read a shard row's `group_*` and `prefix_group_*` columns."""
         from packing import PrefixGroup
 
         n = len(members.ids)
@@ -271,14 +271,14 @@ class _Layout:
             layout.group_of.extend([g] * size)
         assert len(layout.group_of) == n, f"groups cover {len(layout.group_of)} of {n} rows"
         groups = zip(
-            shard.column(stage.ENGINE_GROUP_MEMBERS)[0].as_py(),
-            shard.column(stage.ENGINE_GROUP_PREFIX_LENS)[0].as_py(),
-            shard.column(stage.ENGINE_GROUP_PARENTS)[0].as_py(),
+            shard.column(stage.PREFIX_GROUP_MEMBERS)[0].as_py(),
+            shard.column(stage.PREFIX_GROUP_PREFIX_LENS)[0].as_py(),
+            shard.column(stage.PREFIX_GROUP_PARENTS)[0].as_py(),
             strict=True,
         )
         # The planner puts rows with an error in shards of their own, so in a shard with
         # groups every row reaches the engine and shard row i is prompt i.
-        assert len(runnable) == n or not shard.column(stage.ENGINE_GROUP_MEMBERS)[0].as_py()
+        assert len(runnable) == n or not shard.column(stage.PREFIX_GROUP_MEMBERS)[0].as_py()
         for rows, prefix_len, parent in groups:
             layout.prefix_groups.append(
                 PrefixGroup(prefix_len, tuple(rows), None if parent < 0 else parent)

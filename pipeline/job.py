@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from actors.parallel import placement
-from pipeline import engine_groups, stage, storage
+from pipeline import engine_placement, stage, storage
 from pipeline.config import OUTPUT_ID, JobConfig
 from pipeline.dedupe import CONTENT
-from pipeline.engine_groups import EngineGroups
+from pipeline.engine_placement import EnginePlacements
 from pipeline.infer import InferStage
 from pipeline.output import OutputFolder, check_output
 from pipeline.plan import PlanStage
@@ -134,7 +134,7 @@ def build_dataset(
     done_ids: frozenset[str] = frozenset(),
     collector=None,  # noqa: ANN001 (actor handle of StatsCollector)
     infer_cls: type[InferStage] = InferStage,
-    groups: EngineGroups | None = None,
+    groups: EnginePlacements | None = None,
 ):  # noqa: ANN201 (ray.data.Dataset)
     """The lazy pipeline from the input to the engine's output rows (not yet written)."""
     import ray.data
@@ -227,7 +227,7 @@ def shards_in_flight(config: JobConfig) -> int:
     return min(MAX_SHARDS_IN_FLIGHT, max(2, math.ceil(config.engine.max_num_seqs / rows) + 1))
 
 
-def engine_actor_args(config: JobConfig, groups: EngineGroups | None = None) -> dict:
+def engine_actor_args(config: JobConfig, groups: EnginePlacements | None = None) -> dict:
     """Resources and restart policy of an engine actor: a GPU each when the cluster has GPUs
     (or as configured), else a fraction of a CPU; plus any custom resources and memory.
 
@@ -270,7 +270,7 @@ def default_torch_threads(config: JobConfig, actor_args: dict) -> int | None:
     return max(1, int(cpus // config.compute.num_actors))
 
 
-def check_room(config: JobConfig) -> EngineGroups | None:
+def check_room(config: JobConfig) -> EnginePlacements | None:
     """Fail fast (ValueError) where Ray would wait forever: engine groups the nodes can never
     hold, or actors that leave no node a whole CPU (unless `wait_for_nodes`: an autoscaler
     adds nodes). For tp x pp engines, reserve their placement groups (TimeoutError when they
@@ -278,21 +278,21 @@ def check_room(config: JobConfig) -> EngineGroups | None:
     import ray
 
     nodes = placement.node_resources()
-    gpu = engine_groups.workers_use_gpus(config, ray.cluster_resources())
+    gpu = engine_placement.workers_use_gpus(config, ray.cluster_resources())
     check = not config.compute.wait_for_nodes  # nodes up now are all there will be
     if config.engine.world_size > 1:
         if check:
-            engine_groups.check_groups_fit(config, gpu, nodes)
-            engine_groups.check_cpu_room(config, gpu, nodes)
-        return engine_groups.EngineGroups(
-            engine_groups.group_bundles(config, gpu),
-            engine_groups.group_strategy(config),
+            engine_placement.check_groups_fit(config, gpu, nodes)
+            engine_placement.check_cpu_room(config, gpu, nodes)
+        return engine_placement.EnginePlacements(
+            engine_placement.group_bundles(config, gpu),
+            engine_placement.group_strategy(config),
             config.compute.num_actors,
             config.compute.placement_timeout_s,
             check_nodes=check,
         )
     if check:
-        engine_groups.check_cpu_room(config, gpu, nodes)
+        engine_placement.check_cpu_room(config, gpu, nodes)
     return None
 
 
@@ -365,7 +365,7 @@ def _parallel_defaults(config: JobConfig) -> JobConfig:
     engine = config.engine
     if engine.world_size == 1 or engine.dtype is not None:
         return config
-    if not engine_groups.workers_use_gpus(config, ray.cluster_resources()):
+    if not engine_placement.workers_use_gpus(config, ray.cluster_resources()):
         return config
     return replace(config, engine=replace(engine, dtype="bfloat16"))
 

@@ -13,7 +13,7 @@ other (a common opening) and what members share beyond their group's prefix.
 
 The output is one row per shard with list columns (the members in shard order), the
 first-level groups (`group_sizes`, `group_prefix_lens`) and the engine's groups
-(`engine_group_*`); the engine actor consumes whole shard rows, so batching cannot cut a
+(`prefix_group_*`); the engine actor consumes whole shard rows, so batching cannot cut a
 group either.
 """
 
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from actors.config import SamplingParams
+from packing import PrefixGroup
 from pipeline import dedupe, stage
 from pipeline.config import PlanConfig
 from pipeline.dedupe import DEDUPE_KEY
@@ -36,14 +37,6 @@ from pipeline.logs import setup_worker_logging
 from pipeline.stage import Stage
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PlannedGroup:
-    """Rows (indices into the partition) computed together, sharing `prefix_len` tokens."""
-
-    prefix_len: int
-    rows: tuple[int, ...]
 
 
 @dataclass
@@ -78,64 +71,63 @@ class PlanStats:
 
 def group_rows(
     token_ids: Sequence[Sequence[int]], keys: Sequence[int | None], grouping: bool
-) -> list[PlannedGroup]:
+) -> list[PrefixGroup]:
     """Prefix groups over valid rows: `packing.group_prefixes` (BatchLLM's first-level
     enlargement) inside each prefix key; rows with no key (or with grouping off) are groups
     of one. Rows are indices into `token_ids`."""
     from packing import group_prefixes
 
     by_key: dict[int, list[int]] = {}
-    groups: list[PlannedGroup] = []
+    groups: list[PrefixGroup] = []
     for i, key in enumerate(keys):
         if grouping and key is not None:
             by_key.setdefault(key, []).append(i)
         else:
-            groups.append(PlannedGroup(0, (i,)))
+            groups.append(PrefixGroup(0, (i,)))
     for members in by_key.values():
         if len(members) == 1:
-            groups.append(PlannedGroup(0, (members[0],)))
+            groups.append(PrefixGroup(0, (members[0],)))
             continue
         # Every row of the bucket comes back in exactly one group (one-member groups share 0).
         for g in group_prefixes([token_ids[i] for i in members]):
-            groups.append(PlannedGroup(g.prefix_len, tuple(members[m] for m in g.members)))
+            groups.append(PrefixGroup(g.prefix_len, tuple(members[m] for m in g.members)))
     return groups
 
 
 def order(
-    groups: Sequence[PlannedGroup], prompt_lens: Sequence[int], decode_lens: Sequence[int]
-) -> list[PlannedGroup]:
+    groups: Sequence[PrefixGroup], prompt_lens: Sequence[int], decode_lens: Sequence[int]
+) -> list[PrefixGroup]:
     """Groups in `packing.order_groups` order (BatchLLM: by decode-to-prefill ratio)."""
-    from packing import PrefixGroup, order_groups
+    from packing import order_groups
 
-    as_packing = [PrefixGroup(g.prefix_len, g.rows) for g in groups]
-    return [groups[i] for i in order_groups(as_packing, list(prompt_lens), list(decode_lens))]
+    return [groups[i] for i in order_groups(groups, list(prompt_lens), list(decode_lens))]
 
 
-def group_tokens(group: PlannedGroup, prompt_lens: Sequence[int]) -> int:
+def group_tokens(group: PrefixGroup, prompt_lens: Sequence[int]) -> int:
     """Prompt tokens a group computes: its prefix once, then each member's rest."""
-    return sum(prompt_lens[r] for r in group.rows) - group.prefix_len * (len(group.rows) - 1)
+    return sum(prompt_lens[r] for r in group.members) - group.prefix_len * (len(group.members) - 1)
 
 
 def cut_shards(
-    groups: Sequence[PlannedGroup], prompt_lens: Sequence[int], max_rows: int, max_tokens: int
-) -> tuple[list[list[PlannedGroup]], int]:
+    groups: Sequence[PrefixGroup], prompt_lens: Sequence[int], max_rows: int, max_tokens: int
+) -> tuple[list[list[PrefixGroup]], int]:
     """Shards of whole groups in the given order, each within `max_rows` rows and
     `max_tokens` prompt tokens; a group over either limit alone is split into parts that each
     repeat its prefix. Returns the shards and how many groups were split."""
-    shards: list[list[PlannedGroup]] = []
-    current: list[PlannedGroup] = []
+    shards: list[list[PrefixGroup]] = []
+    current: list[PrefixGroup] = []
     rows = tokens = 0
     split = 0
     for group in groups:
         parts = [group]
-        if len(group.rows) > max_rows or group_tokens(group, prompt_lens) > max_tokens:
+        if len(group.members) > max_rows or group_tokens(group, prompt_lens) > max_tokens:
             parts = _split(group, prompt_lens, max_rows, max_tokens)
             if len(parts) > 1:
                 split += 1
                 logger.info(
                     "prefix group of %d rows (prefix %d tokens) is over a shard's limit "
                     "(%d rows, %d tokens): split into %d shards, the prefix computed in each",
-                    len(group.rows),
+                    len(group.members),
                     group.prefix_len,
                     max_rows,
                     max_tokens,
@@ -143,11 +135,11 @@ def cut_shards(
                 )
         for part in parts:
             cost = group_tokens(part, prompt_lens)
-            if current and (rows + len(part.rows) > max_rows or tokens + cost > max_tokens):
+            if current and (rows + len(part.members) > max_rows or tokens + cost > max_tokens):
                 shards.append(current)
                 current, rows, tokens = [], 0, 0
             current.append(part)
-            rows += len(part.rows)
+            rows += len(part.members)
             tokens += cost
     if current:
         shards.append(current)
@@ -155,21 +147,21 @@ def cut_shards(
 
 
 def _split(
-    group: PlannedGroup, prompt_lens: Sequence[int], max_rows: int, max_tokens: int
-) -> list[PlannedGroup]:
-    parts: list[PlannedGroup] = []
+    group: PrefixGroup, prompt_lens: Sequence[int], max_rows: int, max_tokens: int
+) -> list[PrefixGroup]:
+    parts: list[PrefixGroup] = []
     current: list[int] = []
     tokens = group.prefix_len
-    for r in group.rows:
+    for r in group.members:
         rest = prompt_lens[r] - group.prefix_len
         if current and (len(current) + 1 > max_rows or tokens + rest > max_tokens):
-            parts.append(PlannedGroup(group.prefix_len, tuple(current)))
+            parts.append(PrefixGroup(group.prefix_len, tuple(current)))
             current, tokens = [], group.prefix_len
         current.append(r)
         tokens += rest
-    parts.append(PlannedGroup(group.prefix_len, tuple(current)))
+    parts.append(PrefixGroup(group.prefix_len, tuple(current)))
     # A part of one row shares nothing.
-    return [p if len(p.rows) > 1 else PlannedGroup(0, p.rows) for p in parts]
+    return [p if len(p.members) > 1 else PrefixGroup(0, p.members) for p in parts]
 
 
 def plan_partition(
@@ -202,7 +194,7 @@ def plan_partition(
     groups = group_rows(
         [token_ids[i] for i in valid], [keys[i] for i in valid], config.prefix_grouping
     )
-    groups = [PlannedGroup(g.prefix_len, tuple(valid[r] for r in g.rows)) for g in groups]
+    groups = [PrefixGroup(g.prefix_len, tuple(valid[r] for r in g.members)) for g in groups]
     if config.prefix_grouping:
         groups = order(groups, lens, decode)
     shards, stats.split_groups = cut_shards(
@@ -210,43 +202,42 @@ def plan_partition(
     )
     for start in range(0, len(failed), config.max_rows_per_shard):
         chunk = failed[start : start + config.max_rows_per_shard]
-        shards.insert(0, [PlannedGroup(0, (r,)) for r in chunk])
+        shards.insert(0, [PrefixGroup(0, (r,)) for r in chunk])
 
     stats.rows = len(unique)
     stats.error_rows = len(failed)
     stats.prompt_tokens = sum(lens[i] for i in valid)
     stats.num_shards = len(shards)
-    engine_groups = []
+    shard_groups = []
     for shard in shards:
-        rows = [r for g in shard for r in g.rows]
+        rows = [r for g in shard for r in g.members]
         if errors[rows[0]] is not None:  # an error shard: nothing runs
-            engine_groups.append([])
+            shard_groups.append([])
             continue
         for g in shard:
-            stats.share_degrees[len(g.rows)] += 1
-        groups = shard_engine_groups(shard, [token_ids[r] for r in rows], config)
-        engine_groups.append(groups)
+            stats.share_degrees[len(g.members)] += 1
+        groups = shard_prefix_groups(shard, [token_ids[r] for r in rows], config)
+        shard_groups.append(groups)
         stats.planned_saved_tokens += saved_tokens([token_ids[r] for r in rows], groups)
     if config.prefix_grouping and len(valid) > 1:
         stats.optimal_saved_tokens = optimal_saved_tokens([token_ids[i] for i in valid])
-    return _shard_table(table, shards, engine_groups, keep_columns), stats
+    return _shard_table(table, shards, shard_groups, keep_columns), stats
 
 
-def shard_engine_groups(
-    shard: Sequence[PlannedGroup], token_ids: Sequence[Sequence[int]], config: PlanConfig
+def shard_prefix_groups(
+    shard: Sequence[PrefixGroup], token_ids: Sequence[Sequence[int]], config: PlanConfig
 ) -> list:
     """The engine's prefix groups over one shard's rows (indices in shard order): nested
     (`packing.prefix_forest`) when configured, else the shard's first-level groups."""
-    from packing import PrefixGroup
     from packing.prefix import prefix_forest
 
     if config.prefix_grouping and config.nested:
         return prefix_forest(token_ids, min_shared=config.nested_min_shared)
     groups, start = [], 0
     for g in shard:
-        if len(g.rows) > 1 and g.prefix_len > 0:
-            groups.append(PrefixGroup(g.prefix_len, tuple(range(start, start + len(g.rows)))))
-        start += len(g.rows)
+        if len(g.members) > 1 and g.prefix_len > 0:
+            groups.append(PrefixGroup(g.prefix_len, tuple(range(start, start + len(g.members)))))
+        start += len(g.members)
     return groups
 
 
@@ -286,14 +277,14 @@ def _decode_lens(sampling: Sequence[str | None], defaults: SamplingParams) -> li
 
 def _shard_table(
     table: pa.Table,
-    shards: Sequence[Sequence[PlannedGroup]],
-    engine_groups: Sequence[Sequence],
+    shards: Sequence[Sequence[PrefixGroup]],
+    shard_groups: Sequence[Sequence],
     keep_columns: Sequence[str],
 ) -> pa.Table:
-    order_ = [r for shard in shards for g in shard for r in g.rows]
+    order_ = [r for shard in shards for g in shard for r in g.members]
     offsets = [0]
     for shard in shards:
-        offsets.append(offsets[-1] + sum(len(g.rows) for g in shard))
+        offsets.append(offsets[-1] + sum(len(g.members) for g in shard))
     offsets_arr = pa.array(offsets, pa.int32())
     taken = table.take(order_) if order_ else table.slice(0, 0)
     ids = taken.column(stage.ID).to_pylist()
@@ -313,20 +304,20 @@ def _shard_table(
         values = taken.column(name).combine_chunks()
         columns[name] = pa.ListArray.from_arrays(offsets_arr, values)
     columns[stage.GROUP_SIZES] = pa.array(
-        [[len(g.rows) for g in shard] for shard in shards], pa.list_(pa.int32())
+        [[len(g.members) for g in shard] for shard in shards], pa.list_(pa.int32())
     )
     columns[stage.GROUP_PREFIX_LENS] = pa.array(
         [[g.prefix_len for g in shard] for shard in shards], pa.list_(pa.int32())
     )
-    columns[stage.ENGINE_GROUP_MEMBERS] = pa.array(
-        [[list(g.members) for g in groups] for groups in engine_groups],
+    columns[stage.PREFIX_GROUP_MEMBERS] = pa.array(
+        [[list(g.members) for g in groups] for groups in shard_groups],
         pa.list_(pa.list_(pa.int32())),
     )
-    columns[stage.ENGINE_GROUP_PREFIX_LENS] = pa.array(
-        [[g.prefix_len for g in groups] for groups in engine_groups], pa.list_(pa.int32())
+    columns[stage.PREFIX_GROUP_PREFIX_LENS] = pa.array(
+        [[g.prefix_len for g in groups] for groups in shard_groups], pa.list_(pa.int32())
     )
-    columns[stage.ENGINE_GROUP_PARENTS] = pa.array(
-        [[-1 if g.parent is None else g.parent for g in groups] for groups in engine_groups],
+    columns[stage.PREFIX_GROUP_PARENTS] = pa.array(
+        [[-1 if g.parent is None else g.parent for g in groups] for groups in shard_groups],
         pa.list_(pa.int32()),
     )
     return pa.table(columns)

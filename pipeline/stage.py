@@ -25,9 +25,9 @@ SHARD = "shard"
 GROUP_SIZES = "group_sizes"  # members of each first-level prefix group, in shard order
 GROUP_PREFIX_LENS = "group_prefix_lens"  # tokens each group shares (0: nothing shared)
 # What the engine gets: prefix groups over the shard's rows, possibly nested (parent -1: top).
-ENGINE_GROUP_MEMBERS = "engine_group_members"  # list of shard row indices per group
-ENGINE_GROUP_PREFIX_LENS = "engine_group_prefix_lens"
-ENGINE_GROUP_PARENTS = "engine_group_parents"
+PREFIX_GROUP_MEMBERS = "prefix_group_members"  # list of shard row indices per group
+PREFIX_GROUP_PREFIX_LENS = "prefix_group_prefix_lens"
+PREFIX_GROUP_PARENTS = "prefix_group_parents"
 
 # What the engine actors write (plus the kept input columns and the text column).
 GENERATED_TOKEN_IDS = "generated_token_ids"

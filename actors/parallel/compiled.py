@@ -25,7 +25,7 @@ import torch
 from ray.dag import InputNode, MultiOutputNode
 
 from actors.parallel.executor import ParallelExecutor, WorkerFailedError
-from actors.parallel.plan import plan_step
+from actors.parallel.step_plan import plan_step
 from actors.request import Request
 from actors.scheduler import SchedulerOutput
 

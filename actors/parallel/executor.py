@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config import EngineConfig
 from actors.parallel import placement
-from actors.parallel.plan import plan_step
+from actors.parallel.step_plan import plan_step
 from actors.parallel.worker import StageWorker
 from actors.request import Request
 from actors.scheduler import SchedulerOutput

@@ -1,7 +1,7 @@
 """Pipeline stages of a Hugging Face decoder: embedding on the first stage, a contiguous slice
 of decoder layers on each, final norm and LM head on the last.
 
-`Stage.forward` is the decoder's own forward cut into pieces (embed -> rotary -> layers ->
+`StageModel.forward` is the decoder's own forward cut into pieces (embed -> rotary -> layers ->
 norm -> LM head at the sampling rows); every stage computes the rotary embeddings for the
 step's positions itself, so only the hidden states travel between stages.
 """
@@ -27,7 +27,7 @@ def layer_range(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]
     return start, start + per + (1 if stage < extra else 0)
 
 
-class Stage(nn.Module):
+class StageModel(nn.Module):
     """One worker's part of the model: optional embedding, some layers, optional head."""
 
     def __init__(

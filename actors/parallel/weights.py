@@ -17,7 +17,7 @@ from torch import nn
 
 from actors import attention, loader
 from actors.config import EngineConfig
-from actors.parallel.pp import Stage, layer_range
+from actors.parallel.pp import StageModel, layer_range
 from actors.parallel.tp import TPShape, shard_layer, shard_slice, tp_shape
 
 
@@ -59,7 +59,7 @@ def check_shapes(model: Any, tp: int, pp: int) -> None:
 
 def build_stage(
     config: EngineConfig, dtype: torch.dtype, device: torch.device, stage: int, tp_rank: int
-) -> tuple[Stage, TPShape, tuple[int, int]]:
+) -> tuple[StageModel, TPShape, tuple[int, int]]:
     """This worker's stage with its weights loaded; its TP shape and layer range."""
     model = meta_model(config, dtype)
     attention.register()
@@ -83,7 +83,7 @@ def build_stage(
         module.to_empty(device=device)
     _load(checkpoint_folder(config), owned, shape, dtype, model.config)
     rotary = type(base.rotary_emb)(config=text).to(device)  # buffers computed, not loaded
-    result = Stage(
+    result = StageModel(
         layers,
         rotary,
         embed=base.embed_tokens if first else None,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from actors import attention
 from actors.config import EngineConfig
 from actors.kv_cache import allocate_kv_tensors
-from actors.parallel.plan import StepPlan
+from actors.parallel.step_plan import StepPlan
 from actors.parallel.weights import build_stage
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from actors import SamplingParams
-from actors.prefix_plan import planned_order as _planned_order
+from actors.prefix_sharing import planned_order as _planned_order
 from packing.prefix import PrefixGroup, prefix_forest
 from tests.actors.groups import SYSTEM
 from tests.actors.reference import (

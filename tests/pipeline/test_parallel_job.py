@@ -11,7 +11,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
-from pipeline.engine_groups import check_cpu_room
+from pipeline.engine_placement import check_cpu_room
 from pipeline.infer import InferStage
 from pipeline.job import run_job
 from tests.pipeline.data import MALFORMED, rows

@@ -11,10 +11,11 @@ import pytest
 
 from actors.config import EngineConfig, SamplingParams
 from actors.outputs import RequestOutput
+from packing import PrefixGroup
 from pipeline import stage
 from pipeline.config import PlanConfig, PromptConfig
 from pipeline.infer import InferStage
-from pipeline.plan import PlannedGroup, PlanStage, cut_shards, plan_partition
+from pipeline.plan import PlanStage, cut_shards, plan_partition
 from pipeline.report import StatsCollector, summarize, write_report
 from pipeline.tokenize import TokenizeStage
 
@@ -53,18 +54,18 @@ def _signed(key):
 def test_cut_shards_keeps_groups_whole_and_splits_only_oversized_ones():
     lens = [10] * 12
     groups = [
-        PlannedGroup(5, (0, 1, 2)),
-        PlannedGroup(0, (3,)),
-        PlannedGroup(4, tuple(range(4, 12))),
+        PrefixGroup(5, (0, 1, 2)),
+        PrefixGroup(0, (3,)),
+        PrefixGroup(4, tuple(range(4, 12))),
     ]
     shards, split = cut_shards(groups, lens, max_rows=4, max_tokens=1000)
     assert split == 1  # the 8-row group is over 4 rows
-    assert [sum(len(g.rows) for g in s) for s in shards] == [4, 4, 4]
+    assert [sum(len(g.members) for g in s) for s in shards] == [4, 4, 4]
     assert shards[0] == [groups[0], groups[1]]
     assert all(g.prefix_len == 4 for s in shards[1:] for g in s)  # prefix repeated per part
     # A token limit splits too: each part pays the prefix again.
-    shards, split = cut_shards([PlannedGroup(8, (0, 1, 2, 3))], lens, max_rows=10, max_tokens=14)
-    assert split == 1 and [len(s[0].rows) for s in shards] == [3, 1]
+    shards, split = cut_shards([PrefixGroup(8, (0, 1, 2, 3))], lens, max_rows=10, max_tokens=14)
+    assert split == 1 and [len(s[0].members) for s in shards] == [3, 1]
     assert shards[1][0].prefix_len == 0  # one row alone shares nothing
 
 
@@ -95,8 +96,8 @@ def test_plan_groups_rows_sharing_a_prefix_and_passes_errors_through():
     assert stats.planned_saved_tokens == 80 * 2 + 70
     assert stats.share_degrees == {3: 1, 2: 1, 1: 1}
     assert stats.optimal_saved_tokens >= stats.planned_saved_tokens
-    assert sorted(main[stage.ENGINE_GROUP_PREFIX_LENS]) == [70, 80]
-    assert main[stage.ENGINE_GROUP_PARENTS] == [-1, -1]
+    assert sorted(main[stage.PREFIX_GROUP_PREFIX_LENS]) == [70, 80]
+    assert main[stage.PREFIX_GROUP_PARENTS] == [-1, -1]
 
 
 @pytest.mark.parametrize(("nested", "saved"), [(True, 8 * 3 + 80 + 70), (False, 88 + 78)])
@@ -115,7 +116,7 @@ def test_nested_groups_share_a_common_opening_once(nested, saved):
     assert stats.planned_saved_tokens == saved
     shard = shards.to_pylist()[0]
     groups = sorted(
-        zip(shard[stage.ENGINE_GROUP_PREFIX_LENS], shard[stage.ENGINE_GROUP_PARENTS], strict=True)
+        zip(shard[stage.PREFIX_GROUP_PREFIX_LENS], shard[stage.PREFIX_GROUP_PARENTS], strict=True)
     )
     if nested:
         assert groups == [(8, -1), (78, 0), (88, 0)]

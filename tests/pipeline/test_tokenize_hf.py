@@ -136,7 +136,7 @@ def test_a_shared_bos_is_not_a_prefix_group(tok, style) -> None:
     keys = [r[stage.PREFIX_KEY] for r in rows]
     shared = len(tok(doc + "Q: ")["input_ids"]) - len(special_tokens_around(tok)[1])
     assert len(ids[0]) > 64 and keys[0] == keys[1] is not None and keys[2] is None
-    grouped = [g for g in group_rows(ids, keys, grouping=True) if len(g.rows) > 1]
-    assert [g.rows for g in grouped] == [(0, 1)] and grouped[0].prefix_len >= shared - 1
+    grouped = [g for g in group_rows(ids, keys, grouping=True) if len(g.members) > 1]
+    assert [g.members for g in grouped] == [(0, 1)] and grouped[0].prefix_len >= shared - 1
     nested = prefix_forest(ids, min_shared=PlanConfig().nested_min_shared)
     assert [g.members for g in nested] == [(0, 1)]

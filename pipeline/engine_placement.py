@@ -2,12 +2,12 @@
 engine actor, and checks that fail fast where Ray would wait forever.
 
 Ray Data starts the engine actors of an actor pool and restarts them; it cannot reserve a
-placement group per actor itself, so `EngineGroups` gives it one through its
+placement group per actor itself, so `EnginePlacements` gives it one through its
 `ray_remote_args_fn`: a group of tp x pp bundles per actor, the actor pinned to bundle 0
 beside worker 0 (see `actors.parallel.placement.worker_bundles`), and the engine's executor
 finds the group with `ray.util.get_current_placement_group()`. This is how Ray's own LLM
 layer runs vLLM (`ray.data.llm`), except that the groups are reserved before the job starts
-(see `EngineGroups`) and removed when it ends.
+(see `EnginePlacements`) and removed when it ends.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def group_strategy(config: JobConfig) -> str:
     return "STRICT_PACK" if engine.pipeline_parallel_size == 1 else engine.placement_strategy
 
 
-class EngineGroups:
+class EnginePlacements:
     """The job's engine placement groups, reserved up front, and Ray Data's
     `ray_remote_args_fn` that hands them to the engine actors.
 
