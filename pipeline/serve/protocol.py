@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.config import MAX_INT32, MAX_SEED, MIN_SEED
+from actors.config import MAX_INT32, MAX_LOGPROBS, MAX_SEED, MIN_SEED
 
 FinishReason = Literal["stop", "length"]
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -94,7 +94,11 @@ class CompletionRequest(_SamplingFields):
         default=None, ge=1, description="Tokens to generate at most. Default 16."
     )
     logprobs: int | None = Field(
-        default=None, ge=0, le=5, description="Not supported: only null is accepted."
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return each generated token's logprob and the k most likely tokens' "
+        "(0 to 20 as vLLM; OpenAI allows 5).",
     )
     echo: bool = Field(default=False, description="Not supported: only false is accepted.")
     best_of: int | None = Field(
@@ -108,8 +112,6 @@ class CompletionRequest(_SamplingFields):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) of the first option set to something this server cannot do."""
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported by this server; omit it or send null"
         if self.echo:
             return "echo", "echo is not supported by this server; omit it or send false"
         if self.best_of not in (None, 1):
@@ -153,19 +155,14 @@ class ChatCompletionRequest(_SamplingFields):
         default=None, ge=1, description="Tokens to generate at most. Default: the server's limit."
     )
     logprobs: bool | None = Field(
-        default=None, description="Not supported: only false or null is accepted."
+        default=None, description="Return each generated token's logprob (choices[].logprobs)."
     )
     top_logprobs: int | None = Field(
-        default=None, ge=0, le=20, description="Not supported: only null is accepted."
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="With logprobs: true, also the k most likely tokens at each position.",
     )
-
-    def unsupported(self) -> tuple[str, str] | None:
-        """(field, why) of the first option set to something this server cannot do."""
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported by this server; omit it or send false"
-        if self.top_logprobs is not None:
-            return "top_logprobs", "top_logprobs is not supported by this server; omit it"
-        return super().unsupported()
 
 
 class PromptTokensDetails(BaseModel):
@@ -183,12 +180,45 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(description="Prefix-cache hits.")
 
 
+class CompletionLogprobs(BaseModel):
+    """Logprobs of a completion's tokens (OpenAI's legacy shape)."""
+
+    tokens: list[str] = Field(description="Each generated token, decoded alone.")
+    token_logprobs: list[float] = Field(description="Each token's logprob.")
+    top_logprobs: list[dict[str, float]] = Field(
+        description="Per token: the k most likely tokens and the sampled one -> logprob."
+    )
+    text_offset: list[int] = Field(description="Each token's offset in the concatenated tokens.")
+
+
+class TopLogprob(BaseModel):
+    """One likely token at a position of a chat completion."""
+
+    token: str = Field(description="The token, decoded alone.")
+    logprob: float = Field(description="Its logprob (-9999.0 when -inf).")
+    bytes: list[int] | None = Field(description="The token's UTF-8 bytes.")
+
+
+class TokenLogprobEntry(TopLogprob):
+    """One generated token of a chat completion, with the most likely alternatives."""
+
+    top_logprobs: list[TopLogprob] = Field(description="The top_logprobs most likely tokens.")
+
+
+class ChatLogprobs(BaseModel):
+    """Logprobs of a chat completion's tokens."""
+
+    content: list[TokenLogprobEntry] | None = Field(description="One entry per token.")
+
+
 class CompletionChoice(BaseModel):
     """One completion (or, in a stream, its newest text)."""
 
     index: int = Field(description="The choice's position; always 0 here.")
     text: str = Field(description="The generated text (in a stream: the new text only).")
-    logprobs: None = Field(default=None, description="Not supported; always null.")
+    logprobs: CompletionLogprobs | None = Field(
+        default=None, description="With `logprobs` (in a stream: of the new tokens)."
+    )
     finish_reason: FinishReason | None = Field(
         description="stop (end of sequence or a stop string) or length; null while streaming."
     )
@@ -217,7 +247,7 @@ class ChatChoice(BaseModel):
 
     index: int = Field(description="The choice's position; always 0 here.")
     message: ResponseMessage = Field(description="The generated message.")
-    logprobs: None = Field(default=None, description="Not supported; always null.")
+    logprobs: ChatLogprobs | None = Field(default=None, description="With `logprobs: true`.")
     finish_reason: FinishReason = Field(description="stop or length.")
 
 
@@ -246,7 +276,9 @@ class ChatStreamChoice(BaseModel):
 
     index: int = Field(description="The choice's position; always 0 here.")
     delta: DeltaMessage = Field(description="The new part of the message.")
-    logprobs: None = Field(default=None, description="Not supported; always null.")
+    logprobs: ChatLogprobs | None = Field(
+        default=None, description="With `logprobs: true`: of the new tokens."
+    )
     finish_reason: FinishReason | None = Field(default=None, description="Set in the last chunk.")
 
 

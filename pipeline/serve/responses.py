@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel
 
-from actors.outputs import RequestOutput
+from actors.outputs import RequestOutput, TokenLogprob
 from pipeline.serve.errors import internal_error
+from pipeline.serve.logprobs import LogprobShaper
 from pipeline.serve.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -44,12 +46,19 @@ class ResponseHeader:
     request_id: str
     created: int
     model: str
+    logprobs: LogprobShaper | None = None  # set when the request asked for logprobs
 
     def full(self, output: RequestOutput) -> BaseModel:
         """The non-streamed body for a finished output."""
         reason = finish_reason(output, self.request_id)
+        shaper, entries = self.logprobs, output.logprobs or ()
         if self.kind == "completion":
-            choice = CompletionChoice(index=0, text=output.text, finish_reason=reason)
+            choice = CompletionChoice(
+                index=0,
+                text=output.text,
+                logprobs=None if shaper is None else shaper.completion(entries),
+                finish_reason=reason,
+            )
             return CompletionResponse(
                 id=self.request_id,
                 created=self.created,
@@ -62,7 +71,14 @@ class ResponseHeader:
             id=self.request_id,
             created=self.created,
             model=self.model,
-            choices=[ChatChoice(index=0, message=message, finish_reason=reason)],
+            choices=[
+                ChatChoice(
+                    index=0,
+                    message=message,
+                    logprobs=None if shaper is None else shaper.chat(entries),
+                    finish_reason=reason,
+                )
+            ],
             usage=usage(output),
         )
 
@@ -71,12 +87,23 @@ class ResponseHeader:
         choice = ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
         return self._chat_chunk([choice], None)
 
-    def text_event(self, text: str, reason: Reason | None) -> str:
-        """A chunk with new text (and, in the last one, the finish reason)."""
+    def text_event(
+        self,
+        text: str,
+        reason: Reason | None,
+        entries: Sequence[TokenLogprob] = (),
+        offset: int = 0,
+    ) -> str:
+        """A chunk with new text (and, in the last one, the finish reason); with logprobs, those
+        of the tokens not sent before (`offset`: the text_offset of the first of them)."""
+        shaper = self.logprobs if entries else None
         if self.kind == "chat":
             delta = DeltaMessage(content=text or None)
-            return self._chat_chunk([ChatStreamChoice(index=0, delta=delta, finish_reason=reason)])
-        choice = CompletionChoice(index=0, text=text, finish_reason=reason)
+            logprobs = None if shaper is None else shaper.chat(entries)
+            chunk = ChatStreamChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=reason)
+            return self._chat_chunk([chunk])
+        completion = None if shaper is None else shaper.completion(entries, offset)
+        choice = CompletionChoice(index=0, text=text, logprobs=completion, finish_reason=reason)
         return self._completion_chunk([choice], None)
 
     def usage_event(self, counts: Usage) -> str:

@@ -19,6 +19,7 @@ from actors.outputs import RequestOutput
 from actors.tokenization import ChatTemplateError, encode_chat, encode_text
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.errors import APIError, bad_request, from_validation_error, internal_error
+from pipeline.serve.logprobs import LogprobShaper
 from pipeline.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -95,6 +96,8 @@ class OpenAIService:
     def prepare_chat(self, body: bytes) -> Prepared:
         """Validate a /v1/chat/completions body and apply the chat template."""
         request = _parse(ChatCompletionRequest, body)
+        if request.top_logprobs is not None and not request.logprobs:  # as OpenAI and vLLM
+            raise bad_request("top_logprobs is only allowed with logprobs: true", "top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:  # as apply_chat_template(..., tokenize=True): no BOS on top of the template's
             ids = encode_chat(
@@ -147,6 +150,8 @@ class OpenAIService:
         # back as many characters as could be its start, so they are never sent (vLLM does too).
         hold = max((len(s) for s in prepared.params.stop), default=1) - 1
         sent = 0
+        sent_logprobs = 0  # logprobs entries already sent, and the text_offset after them
+        offset = 0
         final: RequestOutput | None = None
         try:
             if header.kind == "chat":
@@ -158,7 +163,12 @@ class OpenAIService:
                 delta = output.text[sent:end]
                 sent = max(sent, end)
                 if delta or reason is not None:
-                    yield header.text_event(delta, reason)
+                    # The logprobs of the tokens since the last chunk (held-back text or not).
+                    entries = (output.logprobs or ())[sent_logprobs:]
+                    yield header.text_event(delta, reason, entries, offset)
+                    sent_logprobs += len(entries)
+                    if entries and header.logprobs is not None and header.kind == "completion":
+                        offset += sum(len(header.logprobs.token(e.token_id)) for e in entries)
             if final is not None and prepared.include_usage:
                 yield header.usage_event(usage(final))
         except EngineFailedError as exc:
@@ -225,13 +235,18 @@ class OpenAIService:
                 seed=request.seed,
                 stop=request.stop_strings(),
                 ignore_eos=request.ignore_eos,
+                logprobs=_logprobs(request),
             )
         except ValueError as exc:  # SamplingParams bounds every value; its message names it
             raise bad_request(str(exc), _sampling_param(str(exc), request)) from exc
         if len(params.stop) > 4:
             raise bad_request(f"at most 4 stop strings, got {len(params.stop)}", "stop")
         header = ResponseHeader(
-            kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.config.model_name
+            kind,
+            f"{prefix}-{uuid.uuid4().hex}",
+            int(time.time()),
+            self.config.model_name,
+            None if params.logprobs is None else LogprobShaper(self.tokenizer),
         )
         return Prepared(
             header=header,
@@ -240,6 +255,13 @@ class OpenAIService:
             stream=request.stream,
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
         )
+
+
+def _logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many top tokens the engine returns per generated token; None: no logprobs."""
+    if isinstance(request, CompletionRequest):
+        return request.logprobs
+    return (request.top_logprobs or 0) if request.logprobs else None
 
 
 def _sampling_param(message: str, request: CompletionRequest | ChatCompletionRequest) -> str | None:

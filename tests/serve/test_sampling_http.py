@@ -2,7 +2,7 @@
 checked against Hugging Face greedy references of the served tiny model (context-sensitive,
 see tests/test_tiny_models.py).
 
-Not covered here: logprobs (the server refuses them, tests/serve/test_protection.py) and
+Not covered here: logprobs (tests/serve/test_logprobs_http.py) and
 `min_tokens` (not a field of the HTTP API); both are checked through the engine and the job.
 Penalties and logit_bias are not implemented yet.
 """
