@@ -51,8 +51,17 @@ def add_io_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--output",
         required=True,
-        help="output folder (Parquet), local or a URI (s3://, gs://); a rerun resumes it",
+        help="output folder (Parquet), local or a URI (s3://, gs://); a rerun resumes it "
+        "when its lineage (_lineage.json: model, tokenizer, prompt, sampling, version) is the "
+        "same, else exits 2 naming what differs",
     )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start --output over: delete the earlier run's files (never others) and record "
+        "this job's lineage",
+    )
+
     g.add_argument(
         "--input-format",
         choices=["parquet", "jsonl", "csv", "hf"],
@@ -228,6 +237,7 @@ def job_config(
             num_tokenize_actors=args.num_tokenize_actors,
         ),
         text_column=text_column,
+        overwrite=args.overwrite,
     )
 
 
@@ -247,8 +257,7 @@ def connect_ray(num_cpus: int | None = None) -> None:
 def run(config_fn: Callable[[], JobConfig], num_cpus: int | None, as_json: bool) -> int:
     """Check, connect, run, print the summary. Bad input exits 2 with the reason, before Ray
     starts."""
-    from pipeline.job import prepare, run_job
-    from pipeline.output import OutputFolder
+    from pipeline.job import claim_output, prepare, run_job
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -256,7 +265,8 @@ def run(config_fn: Callable[[], JobConfig], num_cpus: int | None, as_json: bool)
     try:
         config = config_fn()
         prepared = prepare(config)
-        folder = OutputFolder.claim(config.output)  # another job's folder: refused here
+        # Another job's folder, or one another lineage produced: refused here, untouched.
+        folder = claim_output(config, prepared)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

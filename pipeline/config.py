@@ -222,7 +222,11 @@ class ComputeConfig:
 
 @dataclass(frozen=True)
 class JobConfig:
-    """The whole offline job: input, prompt, engine, default sampling, plan, compute, output."""
+    """The whole offline job: input, prompt, engine, default sampling, plan, compute, output.
+
+    `overwrite` starts the output folder over (its earlier run's files deleted) instead of
+    refusing a folder another lineage produced (pipeline/lineage.py).
+    """
 
     input: InputConfig
     prompt: PromptConfig
@@ -232,6 +236,7 @@ class JobConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     text_column: str = "generated_text"
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         if not self.output:

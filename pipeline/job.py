@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.parallel import placement
-from pipeline import engine_placement, stage, storage
+from pipeline import engine_placement, lineage, stage, storage
 from pipeline.config import OUTPUT_ID, JobConfig
 from pipeline.dedupe import CONTENT
 from pipeline.engine_placement import EnginePlacements
@@ -109,6 +109,22 @@ def prepare(config: JobConfig) -> PreparedJob:
         or max(config.compute.num_actors, math.ceil(_input_bytes(source) / BYTES_PER_PARTITION)),
         checked=checked,
     )
+
+
+def claim_output(config: JobConfig, prepared: PreparedJob) -> OutputFolder:
+    """Claim the output folder (`OutputFolder.claim`) and settle its lineage
+    (`lineage.settle`: written on a first run; a folder another lineage produced is refused
+    with LineageMismatch, untouched, unless `config.overwrite`). Released on a refusal."""
+    record = lineage.job_lineage(
+        config, prepared.id_column, prepared.override_columns, prepared.max_model_len
+    )
+    folder = OutputFolder.claim(config.output)
+    try:
+        lineage.settle(folder, record, overwrite=config.overwrite)
+    except BaseException:
+        folder.release()
+        raise
+    return folder
 
 
 def model_context(config: JobConfig) -> int:
@@ -307,10 +323,12 @@ def run_job(
     """Run the whole job into `config.output` (resuming what is there) and report.
     `on_written` gets the written Ray Dataset (benchmarks read its per-operator stats).
 
-    The output folder is claimed for the run (`OutputFolder.claim`: OutputBusyError while
-    another job holds it) unless the caller passes the claimed `folder`."""
+    The output folder is claimed for the run and its lineage settled (`claim_output`:
+    OutputBusyError while another job holds it, LineageMismatch when another lineage produced
+    it) unless the caller passes the `folder` it claimed that way."""
     if folder is None:
-        with OutputFolder.claim(config.output) as claimed:
+        prepared = prepared or prepare(config)
+        with claim_output(config, prepared) as claimed:
             return run_job(
                 config,
                 prepared=prepared,

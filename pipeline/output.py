@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 LOCK_FILE = "_raypack.lock"
 STATE_FILE = "_raypack_job.json"
+LINEAGE_FILE = "_lineage.json"  # what produced the folder: pipeline/lineage.py
 DATA_PREFIX = "raypack-"
 HEARTBEAT_S = 10.0
 STALE_S = 60.0  # a lock not touched for this long belongs to a job that is gone

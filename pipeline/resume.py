@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import stage, storage
-from pipeline.output import LOCK_FILE, STATE_FILE
+from pipeline.output import LINEAGE_FILE, LOCK_FILE, STATE_FILE
 from pipeline.report import REPORT_FILE, SUMMARY_FILE
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def scan_output(output: str | Path, prefix: str) -> OutputState:
 
 
 def _foreign(output: str | Path, prefix: str) -> list[str]:
-    own = {LOCK_FILE, STATE_FILE, SUMMARY_FILE, REPORT_FILE}
+    own = {LOCK_FILE, STATE_FILE, LINEAGE_FILE, SUMMARY_FILE, REPORT_FILE}
     return sorted(
         name
         for name in storage.names(output)

@@ -9,6 +9,11 @@ on the engine. Penalties and logit_bias are not implemented yet.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from actors.config import EngineConfig, SamplingParams
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
 from pipeline.job import run_job
+from pipeline.lineage import LINEAGE_FILE
 from tests.actors.reference import torch_threads
 from tests.pipeline.test_job import read_output
 from tests.sampling_cases import (
@@ -34,6 +40,7 @@ from tests.sampling_cases import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
+ROOT = Path(__file__).parents[2]
 PROMPT = "Once upon a time"
 N = 12
 
@@ -76,17 +83,20 @@ def job_folder(ray_cluster, tiny_model_dir, cases, tmp_path_factory) -> Path:  #
         for key, (prompt, overrides) in cases.items()
     ]
     pq.write_table(pa.Table.from_pylist(table), folder / "in.parquet")
-    config = JobConfig(
-        input=InputConfig(str(folder / "in.parquet")),
+    run_job(_config(folder / "in.parquet", tiny_model_dir, folder / "out"))
+    return folder / "out"
+
+
+def _config(table: Path, model: Path, output: Path, max_tokens: int = N) -> JobConfig:
+    return JobConfig(
+        input=InputConfig(str(table)),
         prompt=PromptConfig(prompt_column="prompt", sampling_column="sampling"),
-        output=str(folder / "out"),
-        engine=EngineConfig(model=str(tiny_model_dir), max_num_seqs=16),
-        sampling=SamplingParams(max_tokens=N),
+        output=str(output),
+        engine=EngineConfig(model=str(model), max_num_seqs=16),
+        sampling=SamplingParams(max_tokens=max_tokens),
         plan=PlanConfig(num_partitions=1),
         compute=ComputeConfig(num_actors=1, num_cpus_per_actor=0.25, resources=(("fake_gpu", 1),)),
     )
-    run_job(config)
-    return folder / "out"
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +172,43 @@ def test_output_parquet_schema(job_folder) -> None:  # noqa: ANN001
     for path in files:
         schema = pq.read_schema(path)
         assert [(f.name, f.type) for f in schema] == list(expected.items()), path
+
+
+def test_rerun_with_another_lineage_exits_2_untouched_and_overwrite_starts_over(
+    job_folder, tiny_model_dir, tmp_path
+) -> None:  # noqa: ANN001
+    """The module's finished folder, rerun by the CLI with another --max-tokens: exit 2 naming
+    the field, before Ray, every file byte for byte as it was; then `overwrite` regenerates
+    everything with the new lineage, the earlier run's files gone and a foreign file kept."""
+    out = tmp_path / "out"
+    shutil.copytree(job_folder, out)
+    (out / "theirs.txt").write_text("the user's own file")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert LINEAGE_FILE in before
+    table = job_folder.parent / "in.parquet"
+    args = ["--input", str(table), "--output", str(out), "--model", str(tiny_model_dir)]
+    args += ["--prompt-column", "prompt", "--sampling-column", "sampling"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "jobs/generate.py", *args, "--max-tokens", str(N + 1)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"sampling.max_tokens: {N} (folder) != {N + 1} (this job)" in done.stderr
+    assert "Started a local Ray" not in done.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    old = {p.name for p in out.glob("*.parquet")}
+    run_job(replace(_config(table, tiny_model_dir, out, max_tokens=2), overwrite=True))
+    assert (out / "theirs.txt").read_text() == "the user's own file"  # foreign: stays
+    (out / "theirs.txt").unlink()  # (pyarrow would read it as data)
+    rows, earlier = read_output(out), read_output(job_folder)
+    assert set(rows) == set(earlier) and all(r["error"] is None for r in rows.values())
+    greedy = earlier["greedy"]["generated_token_ids"]
+    assert rows["greedy"]["generated_token_ids"] == greedy[:2]  # regenerated: 2 tokens now
+    assert not old & {p.name for p in out.glob("*.parquet")}  # the earlier files are gone
+    assert json.loads((out / LINEAGE_FILE).read_text())["sampling"]["max_tokens"] == 2
