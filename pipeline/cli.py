@@ -61,6 +61,12 @@ def add_io_args(parser: argparse.ArgumentParser) -> None:
         help="start --output over: delete the earlier run's files (never others) and record "
         "this job's lineage",
     )
+    g.add_argument(
+        "--retry-errors",
+        action="store_true",
+        help="on a rerun, generate again the rows whose stored output has an error, replacing "
+        "them (nothing else is redone)",
+    )
 
     g.add_argument(
         "--input-format",
@@ -238,6 +244,7 @@ def job_config(
         ),
         text_column=text_column,
         overwrite=args.overwrite,
+        retry_errors=args.retry_errors,
     )
 
 

@@ -225,7 +225,8 @@ class JobConfig:
     """The whole offline job: input, prompt, engine, default sampling, plan, compute, output.
 
     `overwrite` starts the output folder over (its earlier run's files deleted) instead of
-    refusing a folder another lineage produced (pipeline/lineage.py).
+    refusing a folder another lineage produced (pipeline/lineage.py); `retry_errors` generates
+    again the rows whose stored output has an error, replacing them (pipeline/resume.py).
     """
 
     input: InputConfig
@@ -237,6 +238,7 @@ class JobConfig:
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     text_column: str = "generated_text"
     overwrite: bool = False
+    retry_errors: bool = False
 
     def __post_init__(self) -> None:
         if not self.output:

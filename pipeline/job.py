@@ -345,7 +345,7 @@ def run_job(
     groups = check_room(config)  # before anything is written
     prefix = folder.filename_prefix()
     try:
-        state = scan_output(config.output, prefix)
+        state = scan_output(config.output, prefix, retry_errors=config.retry_errors)
         storage.makedirs(config.output)
         before = set(data_files(config.output, prefix))
         collector = ray.remote(num_cpus=0)(StatsCollector).remote()

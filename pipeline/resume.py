@@ -23,11 +23,19 @@ keeping two records in agreement. Each Parquet file appears whole or not at all 
 (the footer is written last), and a retried write task rewrites the same file name (Ray names
 files by write id and task index), so reading the ids back is exact. Tests kill the driver
 midway and check that the rerun leaves every id exactly once.
+
+With `retry_errors` (`--retry-errors`) the rows whose stored `error` is set are not done: each
+of this job's files holding such rows is rewritten without them before the run (a temporary
+file renamed over it; on an object store the object is replaced whole), or deleted when only
+they are left, and the run generates them again into new files. A row is never in two files:
+its error row is gone before its new row is written. A run killed in between leaves those rows
+in no file, i.e. not done, and any rerun generates them (as after any kill).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +54,7 @@ class OutputState:
     done_ids: frozenset[str]
     removed: tuple[str, ...]  # this job's files cut short by a killed run, deleted
     foreign: tuple[str, ...] = ()  # files this job did not write, left alone
+    retried: int = 0  # error rows dropped to be generated again (retry_errors)
 
 
 def data_files(output: str | Path, prefix: str | None = None) -> list[str]:
@@ -61,10 +70,11 @@ def data_files(output: str | Path, prefix: str | None = None) -> list[str]:
     ]
 
 
-def scan_output(output: str | Path, prefix: str) -> OutputState:
+def scan_output(output: str | Path, prefix: str, retry_errors: bool = False) -> OutputState:
     """Read the ids in this job's files (named `<prefix>_...parquet`); delete those of its
     files a killed run left incomplete. Every other file is left alone and named in a
-    warning: only what the job wrote is ever read back or deleted."""
+    warning: only what the job wrote is ever read back or deleted. With `retry_errors`, its
+    rows with an error are dropped from its files and are not done (module docstring)."""
     import pyarrow.parquet as pq
 
     if storage.kind(output) == "file":
@@ -72,6 +82,7 @@ def scan_output(output: str | Path, prefix: str) -> OutputState:
     files: list[str] = []
     removed: list[str] = []
     done: set[str] = set()
+    retried = 0
     fs = storage.filesystem(output)
     for path in data_files(output, prefix):
         try:
@@ -86,6 +97,13 @@ def scan_output(output: str | Path, prefix: str) -> OutputState:
                 f"--output {str(output)!r}: {storage.basename(path)} is named as this job's but has no "
                 f"{stage.ID!r} column; the folder's state is damaged: choose another folder"
             )
+        if retry_errors and stage.ERROR in parquet.schema_arrow.names:
+            dropped = _drop_error_rows(path, parquet)
+            retried += dropped
+            if dropped and storage.kind(path) is None:  # nothing but error rows: deleted
+                continue
+            if dropped:
+                parquet = pq.ParquetFile(storage.resolve(path)[1], filesystem=fs)
         done.update(parquet.read(columns=[stage.ID]).column(stage.ID).to_pylist())
         files.append(path)
     foreign = _foreign(output, prefix)
@@ -100,9 +118,36 @@ def scan_output(output: str | Path, prefix: str) -> OutputState:
             len(foreign),
             shown,
         )
+    if retried:
+        logger.info("--retry-errors: %d error rows of %s are generated again", retried, output)
     if files:
         logger.info("resuming: %d rows already in %d files of %s", len(done), len(files), output)
-    return OutputState(tuple(files), frozenset(done), tuple(removed), tuple(foreign))
+    return OutputState(tuple(files), frozenset(done), tuple(removed), tuple(foreign), retried)
+
+
+def _drop_error_rows(path: str, parquet) -> int:  # noqa: ANN001 (pyarrow.parquet.ParquetFile)
+    """Rewrite one of the job's files without its error rows (a whole-file replacement), or
+    delete it when nothing else is left; how many rows were dropped."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    errors = parquet.read(columns=[stage.ERROR]).column(stage.ERROR)
+    dropped = errors.length() - errors.null_count
+    if dropped == 0:
+        return 0
+    table = parquet.read()
+    kept = table.filter(pc.is_null(table.column(stage.ERROR)))
+    if kept.num_rows == 0:
+        storage.delete(path)
+        return dropped
+    fs, inner = storage.resolve(path)
+    if fs is not None:  # an object store replaces an object whole or not at all
+        pq.write_table(kept, inner, filesystem=fs)
+        return dropped
+    tmp = Path(inner).with_name(f".{Path(inner).name}.retry-{os.getpid()}")
+    pq.write_table(kept, tmp)
+    os.replace(tmp, inner)  # atomic: a reader sees the old file or the new one
+    return dropped
 
 
 def _foreign(output: str | Path, prefix: str) -> list[str]:

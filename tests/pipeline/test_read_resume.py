@@ -102,3 +102,29 @@ def test_scan_output_leaves_a_foreign_folder_alone(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="--output .* is a file"):
         scan_output(tmp_path / "file", "raypack-abc123")
+
+
+def test_retry_errors_drops_only_this_jobs_error_rows_from_their_files(tmp_path):
+    prefix = "raypack-abc123"
+    mixed = tmp_path / f"{prefix}_w1_0-0.parquet"
+    pq.write_table(
+        pa.table({"id": ["a", "b", "c"], "x": [1, 2, 3], "error": [None, "bad", None]}), mixed
+    )
+    only_errors = tmp_path / f"{prefix}_w1_1-0.parquet"
+    pq.write_table(pa.table({"id": ["d"], "x": [4], "error": ["worse"]}), only_errors)
+    clean = tmp_path / f"{prefix}_w1_2-0.parquet"
+    pq.write_table(pa.table({"id": ["e"], "x": [5], "error": pa.array([None], pa.string())}), clean)
+    theirs = tmp_path / "theirs.parquet"
+    pq.write_table(pa.table({"id": ["f"], "error": ["theirs"]}), theirs)
+    untouched = {p: p.read_bytes() for p in (clean, theirs)}
+
+    assert scan_output(tmp_path, prefix).done_ids == {"a", "b", "c", "d", "e"}  # without: done
+    state = scan_output(tmp_path, prefix, retry_errors=True)
+    assert state.done_ids == {"a", "c", "e"} and state.retried == 2
+    assert pq.read_table(mixed).to_pydict() == {"id": ["a", "c"], "x": [1, 3], "error": [None] * 2}
+    assert not only_errors.exists()  # nothing but error rows: deleted
+    assert {p: p.read_bytes() for p in (clean, theirs)} == untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [mixed.name, clean.name, theirs.name]
+    )
+    assert scan_output(tmp_path, prefix, retry_errors=True).retried == 0
