@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 # How attention runs (`actors.attention`); "auto" picks from the device and dtype.
 AttentionBackendName = Literal["auto", "cpu_kernel", "sdpa", "varlen"]
@@ -95,6 +96,15 @@ class SamplingParams:
     end generation and are cut from the text (vLLM's behaviour); `stop_token_ids` end it and
     stay in the token ids. `min_tokens` suppresses EOS and stop tokens until reached.
     `logprobs=k` returns, per generated token, its log-probability and the top k alternatives.
+
+    Penalties, as vLLM (and OpenAI for presence/frequency): `presence_penalty` is subtracted
+    from the logit of every token already generated, `frequency_penalty` times its count in
+    the output; `repetition_penalty` (1 is off) divides a positive logit, and multiplies a
+    negative one, of every token in the prompt or the output (Hugging Face's formula).
+    `min_p` drops tokens less likely than min_p times the best token's probability (after
+    temperature). `logit_bias` adds a bias in [-100, 100] to chosen token ids' logits (a
+    mapping token id -> bias, stored as sorted (id, bias) pairs; the engine checks the ids
+    against its vocabulary).
     """
 
     max_tokens: int = 16
@@ -107,6 +117,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # The one place where sampling values are bounded (the job's error rows and Serve's
@@ -139,6 +154,22 @@ class SamplingParams:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        rep = self.repetition_penalty
+        if not _is_real(rep) or not math.isfinite(rep) or rep <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
+        _float_in("min_p", self.min_p, 0.0, 1.0)
+        object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
+
+    @property
+    def penalised(self) -> bool:
+        """True when presence, frequency or repetition penalties change the logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -154,6 +185,50 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+
+
+def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted (token id, bias) pairs, from a mapping (OpenAI's JSON object,
+    whose keys are token ids as text) or from pairs; ValueError naming the field otherwise."""
+    try:
+        pairs = [tuple(p) for p in (value.items() if isinstance(value, Mapping) else value)]
+    except TypeError:
+        pairs = [()]
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got {value!r}"[:200])
+        key, bias = pair
+        token = _token_id(key)
+        if token is None:
+            raise ValueError(
+                f"logit_bias keys must be token ids (integers in [0, {MAX_INT32}]), "
+                f"got {str(key)[:50]!r}"
+            )
+        if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias values must be finite numbers in [-100, 100], got "
+                f"{str(bias)[:50]} for token {token}"
+            )
+        if token in out:
+            raise ValueError(f"logit_bias has token {token} twice")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def _token_id(key: Any) -> int | None:
+    if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
+        key = int(key.strip())
+    if _is_int(key) and 0 <= key <= MAX_INT32:
+        return int(key)
+    return None
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -165,7 +240,7 @@ def _int_in(name: str, value: object, low: int, high: int, note: str = "") -> No
 
 
 def _float_in(name: str, value: object, low: float, high: float) -> None:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    ok = _is_real(value)
     if not ok or not math.isfinite(value) or not low <= value <= high:  # type: ignore[arg-type,operator]
         raise ValueError(f"{name} must be a finite number in [{low}, {high}], got {value!r}")
 

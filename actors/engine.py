@@ -340,6 +340,12 @@ class LLMEngine:
         if error is not None:
             assert group is None, "members with invalid prompts are left out of groups"
             return self._reject(req, error)
+        bad = [t for t, _ in req.params.logit_bias if t >= self.vocab_size]
+        if bad:
+            return self._reject(
+                req,
+                f"logit_bias token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}",
+            )
         self._requests[request_id] = req
         self.scheduler.add(req)
         return req

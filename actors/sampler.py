@@ -1,10 +1,13 @@
 """Pick the next token of every sampling request from its logits, vectorised where possible.
 
-Greedy rows share one argmax. Random rows are scaled by temperature, filtered by top-k and
-top-p in one sort, and drawn by the exponential race (`argmax(p / q)`, q ~ Exp(1)), which is
-a draw from p; a seeded request draws its noise from its own `torch.Generator`, so its tokens
-depend only on its seed, not on what else shares the batch. Logprobs are of the raw model
-distribution (vLLM's default), before temperature and filters.
+First `logit_bias` and the repetition, frequency and presence penalties adjust the rows
+that ask for them (actors/penalties.py, in vLLM v1's order), so greedy rows take the argmax
+of the adjusted logits. Greedy rows share one argmax. Random rows are scaled by temperature,
+filtered by min_p, then by top-k and top-p in one sort, and drawn by the exponential race
+(`argmax(p / q)`, q ~ Exp(1)), which is a draw from p; a seeded request draws its noise
+from its own `torch.Generator`, so its tokens depend only on its seed, not on what else
+shares the batch. Logprobs are of the raw model
+distribution (vLLM's default), before bias, penalties, temperature and filters.
 
 `sample_each` isolates failures: when the batched call raises, each request is sampled alone
 and only those that raise again fail (a failed call leaves the logits and the requests'
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.outputs import TokenLogprob
+from actors.penalties import apply_logit_bias, apply_min_p, apply_penalties
 from actors.request import Request
 
 logger = logging.getLogger(__name__)
@@ -95,6 +99,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
 
         self._mask_until_min_tokens(logits, requests, masked)
+        # Out of place when any row asks for them: the caller's logits stay as they were.
+        logits = apply_penalties(apply_logit_bias(logits, requests), requests)
         tokens = torch.empty(num, dtype=torch.long)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         if len(greedy) == num:
@@ -136,6 +142,7 @@ class Sampler:
         vocab = logits.shape[-1]
         temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
         logits = logits / temperature[:, None]
+        logits = apply_min_p(logits, [r.params.min_p for r in requests])
         # Clamped to the vocabulary before a tensor holds it (any top_k is a valid request).
         top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests]
         top_p = [r.params.top_p for r in requests]

@@ -246,7 +246,14 @@ def _culprit(defaults: SamplingParams, overrides: Mapping[str, Any]) -> str:
 
 
 # The declared type of each SamplingParams field a value is coerced to.
-_FLOAT_FIELDS = {"temperature", "top_p"}
+_FLOAT_FIELDS = {
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+}
 _TRUE, _FALSE = {"true", "1", "yes"}, {"false", "0", "no"}
 
 
@@ -270,6 +277,12 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     elif name == "stop":
         if isinstance(value, list):
             return tuple(value)
+    elif name == "logit_bias":
+        if isinstance(value, str):  # a column of JSON objects: {"token id": bias}
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise RowError(f"{where}: logit_bias is not a JSON object: {exc}") from None
     elif name == "stop_token_ids":
         if isinstance(value, list):
             return tuple(

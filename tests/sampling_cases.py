@@ -8,6 +8,7 @@ Face `generate` before relying on it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -58,3 +59,33 @@ def tokens_until(tokenizer, token_ids: Sequence[int], stop: str) -> int:  # noqa
         if stop in tokenizer.decode(list(token_ids[:k]), skip_special_tokens=True):
             return k
     raise AssertionError(f"{stop!r} never appears")
+
+
+def adjust_by_hand(logits: torch.Tensor, prompt: Sequence[int], out: Sequence[int], params):  # noqa: ANN001, ANN201
+    """`params`' logit_bias, then its repetition, frequency and presence penalties (vLLM's
+    order and formulas), one token at a time in plain Python."""
+    logits = logits.clone()
+    for token, bias in params.logit_bias:
+        logits[token] += bias
+    for token in set(prompt) | set(out):
+        value = float(logits[token])
+        r = params.repetition_penalty
+        logits[token] = value / r if value > 0 else value * r
+    for token, count in Counter(out).items():
+        logits[token] -= params.frequency_penalty * count + params.presence_penalty
+    return logits
+
+
+@torch.inference_mode()
+def penalised_greedy(model, prompt: Sequence[int], params) -> tuple[list[int], list[float]]:  # noqa: ANN001
+    """Greedy tokens under `params` (bias and penalties by `adjust_by_hand`) by full forward
+    passes, EOS not stopping, and each step's top-2 gap of the adjusted logits."""
+    prompt = list(prompt)
+    out: list[int] = []
+    gaps: list[float] = []
+    for _ in range(params.max_tokens):
+        raw = model(torch.tensor([prompt + out])).logits[0, -1].float()
+        top = adjust_by_hand(raw, prompt, out, params).topk(2)
+        gaps.append(float(top.values[0] - top.values[1]))
+        out.append(int(top.indices[0]))
+    return out, gaps

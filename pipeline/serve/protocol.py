@@ -1,10 +1,10 @@
 """OpenAI-compatible request and response bodies (the HTTP edge; pydantic only here).
 
 Requests reject unknown fields and wrong types (strict mode), so a typo is a 400 that names the
-field rather than a silently ignored option. Two vLLM extensions are accepted: `top_k` and
-`ignore_eos`. Numbers are bounded here as in `actors.config.SamplingParams` (the one place
-that decides what the engine can hold; its ValueError is a 400 too): NaN and infinities are
-refused, seeds fit 64 bits and top_k 32 bits.
+field rather than a silently ignored option. vLLM extensions accepted: `top_k`, `ignore_eos`,
+`repetition_penalty` and `min_p`. Numbers are bounded here or in `actors.config.SamplingParams`
+(the one place that decides what the engine can hold; its ValueError is a 400 too): NaN and
+infinities are refused, seeds fit 64 bits and top_k 32 bits.
 """
 
 from __future__ import annotations
@@ -64,6 +64,30 @@ class _SamplingFields(_Request):
         default=None, description="Streaming options (only with stream=true)."
     )
     user: str | None = Field(default=None, description="An end-user id; accepted and ignored.")
+    presence_penalty: float | None = Field(
+        default=None,
+        description="Subtracted from the logit of every token already generated (-2 to 2). "
+        "Default 0.",
+    )
+    frequency_penalty: float | None = Field(
+        default=None,
+        description="Times a token's count in the output, subtracted from its logit (-2 to 2). "
+        "Default 0.",
+    )
+    repetition_penalty: float | None = Field(
+        default=None,
+        description="vLLM extension: divides positive (multiplies negative) logits of tokens "
+        "in the prompt or the output (> 0; 1 is off). Default 1.",
+    )
+    min_p: float | None = Field(
+        default=None,
+        description="vLLM extension: drop tokens less likely than min_p times the best one "
+        "(0 to 1, after temperature). Default 0.",
+    )
+    logit_bias: dict[str, float] | None = Field(
+        default=None,
+        description="Token id (as text) -> bias in [-100, 100] added to its logit.",
+    )
     ignore_eos: bool = Field(
         default=False, description="vLLM extension: keep generating past the end-of-sequence token."
     )

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from actors.config import SamplingParams
+from actors.config import SamplingParams, logit_bias_pairs
 from actors.outputs import RequestOutput
 from actors.tokenization import ChatTemplateError, encode_chat, encode_text
 from pipeline.serve.config import ServeConfig
@@ -236,9 +236,22 @@ class OpenAIService:
                 stop=request.stop_strings(),
                 ignore_eos=request.ignore_eos,
                 logprobs=_logprobs(request),
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if request.repetition_penalty is None else request.repetition_penalty
+                ),
+                min_p=request.min_p or 0.0,
+                logit_bias=logit_bias_pairs(request.logit_bias or {}),
             )
         except ValueError as exc:  # SamplingParams bounds every value; its message names it
             raise bad_request(str(exc), _sampling_param(str(exc), request)) from exc
+        outside = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise bad_request(
+                f"logit_bias token ids must be in [0, {self.vocab_size}), got {outside[0]}",
+                "logit_bias",
+            )
         if len(params.stop) > 4:
             raise bad_request(f"at most 4 stop strings, got {len(params.stop)}", "stop")
         header = ResponseHeader(

@@ -118,3 +118,26 @@ def test_unknown_or_invalid_override_is_a_row_error():
         merge_sampling(SamplingParams(), {"max_tokens": -3})
     with pytest.raises(RowError, match="dict of sampling fields"):
         sampling_overrides({"sp": "[1, 2]"}, [], "sp")
+
+
+def test_penalty_min_p_and_logit_bias_overrides():
+    """CSV cells arrive as text: the penalties and min_p as numbers, logit_bias as JSON."""
+    row = {
+        "presence_penalty": "0.5",
+        "repetition_penalty": "1.2",
+        "logit_bias": '{"42": 100, "7": -5}',
+        "sp": '{"frequency_penalty": -1, "min_p": 0.1, "logit_bias": {"3": 1}}',
+    }
+    found = sampling_overrides(row, ["presence_penalty", "repetition_penalty", "logit_bias"], None)
+    params = merge_sampling(SamplingParams(), found)
+    assert (params.presence_penalty, params.repetition_penalty) == (0.5, 1.2)
+    assert params.logit_bias == ((7, -5.0), (42, 100.0))
+    params = merge_sampling(SamplingParams(), sampling_overrides(row, [], "sp"))
+    assert (params.frequency_penalty, params.min_p, params.logit_bias) == (-1.0, 0.1, ((3, 1.0),))
+    with pytest.raises(RowError, match="column 'presence_penalty'.*presence_penalty must be"):
+        merge_sampling(
+            SamplingParams(),
+            sampling_overrides({"presence_penalty": "3"}, ["presence_penalty"], None),
+        )
+    with pytest.raises(RowError, match="logit_bias is not a JSON object"):
+        sampling_overrides({"logit_bias": "{42: 1"}, ["logit_bias"], None)

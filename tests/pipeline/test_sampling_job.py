@@ -3,7 +3,8 @@ defines them: checked against first-principles greedy references of the tiny mod
 (Hugging Face forward passes), in one job run where greedy and random rows share batches.
 
 Logprobs are not an output column of the job; tests/actors/test_logprobs_hf.py checks them
-on the engine. Penalties and logit_bias are not implemented yet.
+on the engine. Penalties and logit_bias are compared with first-principles references (the
+model's logits adjusted by hand, tests/sampling_cases.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tests.sampling_cases import (
     EOS_PROMPT,
     STOP_PROMPT,
     greedy_loop,
+    penalised_greedy,
     stop_string,
     tokens_until,
 )
@@ -71,6 +73,11 @@ def cases(reference) -> dict[str, tuple[str, dict]]:  # noqa: ANN001
         "eos": (EOS_PROMPT, {"max_tokens": 10}),
         "ignore-eos": (EOS_PROMPT, {"max_tokens": 10, "ignore_eos": True}),
         "min-tokens": (EOS_PROMPT, {"max_tokens": 10, "min_tokens": EOS_AT + 2}),
+        "presence": (PROMPT, {"presence_penalty": -2.0, "ignore_eos": True}),
+        "bias": (
+            PROMPT,
+            {"logit_bias": {"42": 5.0}, "frequency_penalty": 2.0, "ignore_eos": True},
+        ),
     }
 
 
@@ -148,6 +155,20 @@ def test_stop_string_cut_eos_ignore_eos_min_tokens(job_output, cases, reference)
     row = job_output["min-tokens"]
     assert row["generated_token_ids"] == late and EOS_ID not in late[: EOS_AT + 2]
     assert late[:EOS_AT] == natural[:EOS_AT]  # the same until the EOS it could not choose
+
+
+def test_penalties_and_logit_bias(job_output, cases, reference) -> None:  # noqa: ANN001
+    tokenizer, model = reference
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    with torch_threads(1):
+        plain = greedy_loop(model, ids, N, eos_stops=False)
+        for key in ("presence", "bias"):
+            params = SamplingParams(max_tokens=N, **cases[key][1])
+            expected, _ = penalised_greedy(model, ids, params)
+            assert expected != plain  # a visible effect
+            assert job_output[key]["generated_token_ids"] == expected
+    # +5 makes token 42 win until frequency_penalty 2 per use has taken the bias back
+    assert 1 < job_output["bias"]["generated_token_ids"].count(42) < N
 
 
 def test_output_parquet_schema(job_folder) -> None:  # noqa: ANN001

@@ -77,3 +77,59 @@ def test_token_ids_and_chat_prompts(service, tokenizer) -> None:  # noqa: ANN001
     text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     assert prepared.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
     assert prepared.params.max_tokens == 4  # max_completion_tokens wins (OpenAI)
+
+
+NEUTRAL = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "min_p": 0,
+    "logit_bias": {},
+    "user": "u-1",
+}
+
+
+def test_neutral_penalties_and_bias_are_accepted(service) -> None:  # noqa: ANN001
+    """What the OpenAI SDK and LangChain send by default changes nothing (chat and completions)."""
+    assert completion(service, **NEUTRAL).params == completion(service).params
+    body = {"model": "m", "messages": CHAT, **NEUTRAL}
+    plain = service.prepare_chat(json.dumps({"model": "m", "messages": CHAT}).encode()).params
+    assert service.prepare_chat(json.dumps(body).encode()).params == plain
+
+
+def test_penalties_min_p_and_logit_bias_reach_the_engine(service) -> None:  # noqa: ANN001
+    fields = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.3,
+        "min_p": 0.05,
+        "logit_bias": {"42": 100, "7": -100, "3": 2.5},
+    }
+    for params in (
+        completion(service, **fields).params,
+        service.prepare_chat(
+            json.dumps({"model": "m", "messages": CHAT, **fields}).encode()
+        ).params,
+    ):
+        assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+        assert (params.repetition_penalty, params.min_p) == (1.3, 0.05)
+        assert params.logit_bias == ((3, 2.5), (7, -100.0), (42, 100.0))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("presence_penalty", 2.5, "[-2.0, 2.0], got 2.5"),
+        ("frequency_penalty", -3, "[-2.0, 2.0], got -3"),
+        ("repetition_penalty", 0, "> 0, got 0"),
+        ("min_p", 1.1, "[0.0, 1.0], got 1.1"),
+        ("logit_bias", {"5": 101}, "[-100, 100], got 101"),
+        ("logit_bias", {"five": 1}, "token ids"),
+        ("logit_bias", {"49152": 1}, "[0, 49152), got 49152"),
+    ],
+)
+def test_out_of_range_values_are_a_400_naming_the_field(service, field, value, words) -> None:  # noqa: ANN001
+    with pytest.raises(APIError) as info:
+        completion(service, **{field: value})
+    assert info.value.status == 400 and info.value.detail.param == field
+    assert field in info.value.detail.message and words in info.value.detail.message

@@ -4,7 +4,9 @@ see tests/test_tiny_models.py).
 
 Not covered here: logprobs (tests/serve/test_logprobs_http.py) and
 `min_tokens` (not a field of the HTTP API); both are checked through the engine and the job.
-Penalties and logit_bias are not implemented yet.
+Penalties and logit_bias are compared with first-principles references (the HF model's
+logits adjusted by hand, tests/sampling_cases.py); the engine tests cover each in depth
+(tests/actors/test_penalties.py).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import json
 import pytest
 import requests
 
+from actors.config import SamplingParams
 from tests.sampling_cases import (
     EOS_AT,
     EOS_ID,
     EOS_PROMPT,
     STOP_PROMPT,
     greedy_loop,
+    penalised_greedy,
     stop_string,
     tokens_until,
 )
@@ -105,3 +109,52 @@ def test_eos_stops_unless_ignore_eos(live: Live, hf: HFReference) -> None:
     assert data["choices"][0]["finish_reason"] == "length"
     assert data["usage"]["completion_tokens"] == 10
     assert text_of(data) == hf.tokenizer.decode(past, skip_special_tokens=True)
+
+
+def test_penalties_and_logit_bias_change_the_text(live: Live, hf: HFReference) -> None:
+    ids = hf.prompt_ids(PROMPT)
+    plain = greedy_loop(hf.model, ids, N, eos_stops=False)
+
+    def expected(**fields) -> str:  # noqa: ANN003
+        tokens, _ = penalised_greedy(hf.model, ids, SamplingParams(max_tokens=N, **fields))
+        assert tokens != plain  # the field has a visible effect on this prompt
+        return hf.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    # presence_penalty -2 makes the first token come back (the tiny model never repeats itself)
+    data = complete(live, temperature=0, ignore_eos=True, presence_penalty=-2.0)
+    assert text_of(data) == expected(presence_penalty=-2.0)
+    # logit_bias: +100 forces a token; -100 on the greedy first token bans it
+    data = complete(live, temperature=0, ignore_eos=True, logit_bias={"42": 100})
+    assert text_of(data) == hf.tokenizer.decode([42] * N) == expected(logit_bias={42: 100})
+    banned = {str(plain[0]): -100}
+    data = complete(live, temperature=0, ignore_eos=True, logit_bias=banned)
+    assert text_of(data) == expected(logit_bias={plain[0]: -100})
+
+    # chat: a repetition penalty below 1 (the chat's prompt tokens come back)
+    chat = [{"role": "user", "content": PROMPT}]
+    chat_ids = hf.prompt_ids(chat)
+    body = {
+        "model": MODEL,
+        "messages": chat,
+        "max_tokens": N,
+        "temperature": 0,
+        "ignore_eos": True,
+        "repetition_penalty": 0.5,
+    }
+    answer = requests.post(live.url("/v1/chat/completions"), json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    tokens, _ = penalised_greedy(
+        hf.model, chat_ids, SamplingParams(max_tokens=N, repetition_penalty=0.5)
+    )
+    assert tokens != greedy_loop(hf.model, chat_ids, N, eos_stops=False)
+    content = answer.json()["choices"][0]["message"]["content"]
+    assert content == hf.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_out_of_range_penalty_is_a_400_naming_it(live: Live) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "frequency_penalty": 2.5}
+    answer = requests.post(live.url("/v1/completions"), json=body, timeout=120)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == "frequency_penalty"
+    assert "frequency_penalty" in error["message"] and "2.5" in error["message"]
