@@ -90,7 +90,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser)
 
     d = SamplingParams()
-    s = parser.add_argument_group("sampling (defaults; per-row columns override them)")
+    s = parser.add_argument_group(
+        "sampling (defaults; --sampling-columns / --sampling-column override them per row)"
+    )
     s.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens to generate")
     s.add_argument("--temperature", type=float, default=d.temperature, help="0 is greedy (argmax)")
     s.add_argument("--top-k", type=int, default=d.top_k, help="0 or -1: no top-k filter")

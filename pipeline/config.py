@@ -6,6 +6,7 @@ need. Nothing here touches Ray, the filesystem or the model.
 
 from __future__ import annotations
 
+import dataclasses
 import string
 from dataclasses import dataclass, field
 from typing import Literal
@@ -53,8 +54,9 @@ class PromptConfig:
     Face makes them (actors/tokenization.py): `tokenizer(text)` for a text prompt,
     `apply_chat_template(messages, add_generation_prompt=True, tokenize=True)` for a chat.
 
-    Sampling overrides come from `override_columns` (columns named like SamplingParams
-    fields; None means every input column with such a name) and `sampling_column` (a dict, or
+    Per-row sampling overrides come only from the columns named in `override_columns`
+    (each named like a SamplingParams field: `--sampling-columns temperature,max_tokens`; a
+    column that merely has such a name is not used) and from `sampling_column` (a dict, or
     JSON text, of SamplingParams fields per row).
     """
 
@@ -69,7 +71,7 @@ class PromptConfig:
     # Text inside chat messages that spells a special token (`<|im_end|>`) is tokenized as
     # plain text, so a row cannot forge a turn; True tokenizes it as the token (HF's default).
     allow_special_tokens_in_messages: bool = False
-    override_columns: tuple[str, ...] | None = None
+    override_columns: tuple[str, ...] = ()
     sampling_column: str | None = None
 
     def __post_init__(self) -> None:
@@ -87,8 +89,13 @@ class PromptConfig:
                 "give exactly one of prompt_column, template or messages_column; "
                 f"got {given or 'none'}"
             )
-        if self.override_columns is not None:
-            object.__setattr__(self, "override_columns", tuple(self.override_columns))
+        object.__setattr__(self, "override_columns", tuple(self.override_columns))
+        fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        unknown = [c for c in self.override_columns if c not in fields]
+        if unknown:
+            raise ValueError(
+                f"sampling columns {unknown} are not SamplingParams fields {sorted(fields)}"
+            )
         if self.template is not None:
             self.template_fields  # noqa: B018 (raises ValueError on a malformed template)
 

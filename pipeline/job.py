@@ -82,19 +82,23 @@ def prepare(config: JobConfig) -> PreparedJob:
         needed[c] = "used by the template" if prompt.template else "the prompt source"
     for c in config.input.keep_columns:
         needed[c] = "asked to keep"
-    for c in prompt.override_columns or ():
+    for c in prompt.override_columns:
         needed[c] = "a sampling override column"
     if prompt.sampling_column:
         needed[prompt.sampling_column] = "the sampling parameters column"
     check_columns(columns, needed, config.input.path)
 
-    if prompt.override_columns is None:
-        used = {id_column, *prompt.source_columns}
-        overrides = tuple(c for c in columns if c in SAMPLING_FIELDS and c not in used)
-        if overrides:
-            logger.info("per-row sampling overrides from columns %s", list(overrides))
-    else:
-        overrides = prompt.override_columns
+    overrides = prompt.override_columns
+    if overrides:
+        logger.info("per-row sampling overrides from columns %s", list(overrides))
+    used = {id_column, *prompt.source_columns, *overrides}
+    unused = [c for c in columns if c in SAMPLING_FIELDS and c not in used]
+    if unused:  # the user may have meant them: say so (they change nothing unless named)
+        logger.info(
+            "columns %s are named like sampling parameters but do not override them "
+            "(name them in --sampling-columns to)",
+            unused,
+        )
 
     resolve(config.engine.model)  # FileNotFoundError naming the model before Ray starts
     checked = check_input(source)

@@ -55,9 +55,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--sampling-column", help="column of per-row sampling parameters (dict or JSON)"
     )
     prompt.add_argument(
+        "--sampling-columns",
         "--override-columns",
-        help="comma-separated sampling override columns (default: the columns named like "
-        "sampling fields)",
+        dest="override_columns",
+        default="",
+        help="comma-separated columns whose values override a sampling parameter of the same "
+        "name per row, e.g. temperature,max_tokens (default: none; a column that merely has "
+        "such a name changes nothing)",
     )
     prompt.add_argument(
         "--text-column",
@@ -70,9 +74,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def build_config(args: argparse.Namespace) -> JobConfig:
     """The JobConfig of the parsed flags (ValueError on a bad combination)."""
-    overrides = None
-    if args.override_columns is not None:
-        overrides = tuple(c.strip() for c in args.override_columns.split(",") if c.strip())
+    overrides = tuple(c.strip() for c in args.override_columns.split(",") if c.strip())
     prompt = PromptConfig(
         prompt_column=args.prompt_column,
         template=args.template,

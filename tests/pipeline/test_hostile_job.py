@@ -243,7 +243,9 @@ def test_hostile_override_rows_are_error_rows_and_their_shard_generates(
     (tmp_path / "out" / "mine.parquet").write_bytes(b"not parquet, the user's own file")
     config = JobConfig(
         input=InputConfig(str(table)),
-        prompt=PromptConfig(prompt_column="prompt"),
+        prompt=PromptConfig(
+            prompt_column="prompt", override_columns=("temperature", "seed", "top_k")
+        ),
         output=str(tmp_path / "out"),
         engine=EngineConfig(model=str(tiny_model_dir), max_num_seqs=16),
         sampling=SamplingParams(max_tokens=3),
@@ -297,3 +299,28 @@ def test_dedupe_marks_versions_of_an_id_and_keys_identical_rows_together():
     assert "the other" in marked.column(stage.ERROR)[2].as_py()
     kept, dropped = dedupe.resolve(batch, other, "first")
     assert kept.column(stage.ID).to_pylist() == ["a", "a"] and dropped == 2
+
+
+def test_sampling_columns_are_used_only_when_named(tiny_model_dir, tmp_path):
+    """A column that happens to be called `temperature` or `max_tokens` changes nothing unless
+    --sampling-columns names it; a name that is no sampling field fails before any work."""
+    from jobs.generate import build_config, build_parser
+    from pipeline.job import prepare
+
+    table = tmp_path / "rows.csv"
+    table.write_text("id,prompt,temperature,max_tokens\nr1,hello,0.9,2\n")
+    base = ["--input", str(table), "--output", str(tmp_path / "out")]
+    base += ["--model", str(tiny_model_dir), "--prompt-column", "prompt"]
+
+    def overrides(*flags: str) -> tuple[str, ...]:
+        return prepare(build_config(build_parser().parse_args([*base, *flags]))).override_columns
+
+    assert overrides() == ()
+    assert overrides("--sampling-columns", "temperature,max_tokens") == (
+        "temperature",
+        "max_tokens",
+    )
+    with pytest.raises(ValueError, match=r"sampling columns \['prompt'\] are not SamplingParams"):
+        build_config(build_parser().parse_args([*base, "--sampling-columns", "prompt"]))
+    with pytest.raises(ValueError, match="'top_k'.*a sampling override column"):
+        overrides("--sampling-columns", "top_k")

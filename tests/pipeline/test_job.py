@@ -31,7 +31,9 @@ def make_config(
     """The synthetic table through the tiny model, engine actors on fake GPUs."""
     return JobConfig(
         input=InputConfig(str(table), keep_columns=("doc_id",)),
-        prompt=PromptConfig(template=TEMPLATE, sampling_column="sampling"),
+        prompt=PromptConfig(
+            template=TEMPLATE, sampling_column="sampling", override_columns=("max_tokens",)
+        ),
         output=str(output),
         engine=EngineConfig(model=str(model_dir), max_num_seqs=64),
         sampling=SamplingParams(max_tokens=4),

@@ -204,6 +204,7 @@ def test_s3_job_killed_resumed_and_rerun(ray_cluster, prompt_table, tiny_model_d
     args = [
         "--input", source, "--output", out, "--template", TEMPLATE,
         "--sampling-column", "sampling", "--keep-columns", "doc_id",
+        "--sampling-columns", "max_tokens",
         "--model", model, "--max-tokens", "24", "--max-rows-per-shard", "2",
         "--num-partitions", "2", "--num-cpus-per-actor", "0.25", "--actor-resource",
         "fake_gpu=1", "--json",
