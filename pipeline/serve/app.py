@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,16 +28,20 @@ from pipeline.serve.auth import check_api_key, load_api_keys
 from pipeline.serve.cli import serve_config_from_app_args
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.errors import APIError
+from pipeline.serve.front import PrefixFront, run_asgi
 from pipeline.serve.guard import GuardLimits, GuardMiddleware
 from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.protocol import HealthResponse
-from pipeline.serve.replicas import ReplicaHeader
+from pipeline.serve.replicas import ReplicaHeader, Scope
+from pipeline.serve.router import PrefixAffinityRouter, RoutedRequest
 from pipeline.serve.service import OpenAIService, Prepared
 from pipeline.serve.staging import EngineLoop
 from pipeline.serve.tokens import detokenize, model_card, tokenize
 
 logger = logging.getLogger(__name__)
 
+# CPUs of the prefix-routing front's replica: it reads bodies and passes messages on.
+FRONT_NUM_CPUS = 0.1
 # OpenAI-style codes for the routing errors Starlette raises itself.
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -167,6 +171,7 @@ class OpenAIDeployment:
         self._metrics = ServeMetrics()
         self._admission = config.admission
         self._loop: EngineLoop | None = None
+        self._api: FastAPI | None = None
         logger.info("serving %s (max_model_len %d)", config.model_name, self._engine.max_model_len)
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
@@ -190,7 +195,16 @@ class OpenAIDeployment:
         # outermost: even the guard's own 4xx name the replica that answered
         replica = serve.get_replica_context().replica_id.unique_id
         api.add_middleware(ReplicaHeader, replica=replica)  # type: ignore[arg-type]
+        self._api = api
         return api
+
+    async def routed(self, request: RoutedRequest) -> AsyncIterator[Scope]:
+        """A request the front passed on (prefix routing): run it through this replica's API
+        and stream the ASGI messages back."""
+        if self._api is None:
+            raise RuntimeError("the replica's API is not built yet")
+        async for message in run_asgi(self._api, request):
+            yield message
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's user_config hook: `{"admission": {AdmissionConfig fields}}` switches the
@@ -229,9 +243,39 @@ def build_app(args: ServeConfig | Mapping[str, Any]) -> Application:
         max_ongoing_requests=config.ongoing_limit,
         **replica_options(config),
         **placement_options(config),
+        **routing_options(config),
     )
     app: Application = deployment.bind(config)
-    return app
+    if not prefix_routed(config):
+        return app
+    front = PrefixFront.options(  # type: ignore[attr-defined]
+        max_ongoing_requests=config.ongoing_limit * config.replicas.highest,
+        ray_actor_options={"num_cpus": FRONT_NUM_CPUS},
+    )
+    routed: Application = front.bind(app, config.max_body_bytes, config.body_timeout_s)
+    return routed
+
+
+def prefix_routed(config: ServeConfig) -> bool:
+    """Whether the app routes by prefix: on unless turned off, when there can be more than one
+    replica."""
+    return config.prefix_routing and config.replicas.highest > 1
+
+
+def routing_options(config: ServeConfig) -> dict[str, Any]:
+    """Serve's request router for the engine replicas: PrefixAffinityRouter when the app
+    routes by prefix (the front calls them), falling back to Serve's default when a match is
+    under two chunks (512 characters) or its replica has max_num_seqs requests in progress."""
+    if not prefix_routed(config):
+        return {}
+    from ray.serve.config import RequestRouterConfig
+
+    return {
+        "request_router_config": RequestRouterConfig(
+            request_router_class=f"{PrefixAffinityRouter.__module__}.PrefixAffinityRouter",  # type: ignore[arg-type]
+            request_router_kwargs={"saturated_at": config.engine.max_num_seqs},
+        )
+    }
 
 
 def replica_options(config: ServeConfig) -> dict[str, Any]:

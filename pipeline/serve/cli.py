@@ -147,6 +147,12 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
         help="autoscaling: requests in progress per replica to aim at "
         "(default: --max-num-seqs, what one engine runs at once)",
     )
+    group.add_argument(
+        "--no-prefix-routing",
+        action="store_true",
+        help="with more than one replica, route by Serve's default (power of two choices) "
+        "instead of sending requests that share a prefix to the replica holding it",
+    )
 
 
 def admission_from_args(args: argparse.Namespace, **overrides: object) -> AdmissionConfig:
@@ -197,6 +203,7 @@ def serve_config_from_args(
             max_replicas=args.max_replicas,
             target_ongoing_requests=args.target_ongoing_requests,
         ),
+        prefix_routing=not args.no_prefix_routing,
     )
 
 

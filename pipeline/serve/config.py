@@ -59,6 +59,9 @@ class ServeConfig:
     allow_special_tokens_in_messages: bool = False
     # How many replicas serve (each with its own engine): fixed, or Serve's autoscaling.
     replicas: Replicas = field(default_factory=Replicas)
+    # With more than one replica, a front reads each request and Serve's request router sends
+    # it to the replica holding its prompt's longest prefix (pipeline/serve/router.py).
+    prefix_routing: bool = True
 
     def __post_init__(self) -> None:
         if self.engine.chunk_size is None:  # online: a long prompt shares steps with newcomers

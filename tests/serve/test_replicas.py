@@ -35,8 +35,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 
 
 def deployment_of(app: Any) -> Any:
-    """The deployment an Application binds (Serve keeps it private: `_bound_deployment`)."""
-    return app._bound_deployment
+    """The engine deployment an Application binds, behind the prefix-routing front if there
+    is one (Serve keeps it private: `_bound_deployment`)."""
+    deployment = app._bound_deployment
+    if deployment.name == "raypack-front":
+        deployment = deployment.init_args[0]._bound_deployment
+    return deployment
 
 
 def serve_run_builder(args: dict[str, str]) -> Any:
