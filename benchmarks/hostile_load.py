@@ -4,8 +4,8 @@
     flock /tmp/raypack-bench.lock python benchmarks/hostile_load.py            # tiny model
     python benchmarks/hostile_load.py --model smollm2 --normal 600 --slow 500 --partial 500
 
-Starts Ray and Serve on a free loopback port with one replica (jobs/serve.py's defaults unless
-flagged), then runs two phases on the same server: `baseline` (the normal requests alone) and
+Starts Ray and Serve on a free loopback port with `--num-replicas` replicas (jobs/serve.py's
+defaults unless flagged), then runs two phases on the same server: `baseline` (the normal requests alone) and
 `hostile` (the same requests while `--slow` connections send headers promising 1000 bytes of
 body and then 10 bytes, and `--partial` connections send half a request line and stop).
 /health is polled every 100 ms throughout. Latencies are client-side, in seconds.
@@ -38,7 +38,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slow", type=int, default=500, help="slow-body connections")
     parser.add_argument("--partial", type=int, default=0, help="half-header connections")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per normal request")
-    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of the replica")
+    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of each replica")
+    parser.add_argument("--num-replicas", type=int, default=1, help="replicas of the app")
     return parser.parse_args()
 
 
@@ -177,6 +178,7 @@ def main() -> int:
 
     from actors.config import EngineConfig
     from pipeline.serve import ServeConfig, build_app
+    from pipeline.serve.replicas import Replicas
 
     model = args.model
     if model == "tiny":
@@ -191,6 +193,7 @@ def main() -> int:
         served_model_name="served",
         max_waiting=max(256, args.normal),  # every normal request is taken (no 429)
         num_cpus=args.num_cpus,
+        replicas=Replicas(num_replicas=args.num_replicas),
         api_keys_env=None,
     )
     serve.run(build_app(config), name="raypack", route_prefix="/")
