@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -244,3 +245,38 @@ def test_shared_documents_go_to_one_replica_and_hit_its_cache(
         f"routing hit rate: {hits}/{len(ratios)} repeated requests >= 90% cached; ratios {ratios}"
     )
     assert hits == len(ratios) == len(TOPICS) * (len(QUESTIONS) - 1), ratios
+
+
+def aborted_by_replica(base: str, replicas: int = 2) -> dict[str, int]:
+    """Each replica's `aborted` count from `/health` (asked until Serve's router has sent one
+    to each; hang guard only)."""
+    seen: dict[str, int] = {}
+    for _ in range(400):
+        answer = requests.get(f"{base}/health", timeout=30)
+        seen[answer.headers[REPLICA_HEADER]] = answer.json()["aborted"]
+        if len(seen) == replicas:
+            return seen
+    raise AssertionError(f"/health reached only {sorted(seen)}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_client_leaving_a_routed_stream_aborts_it_on_its_replica(routed_app: str) -> None:
+    before = aborted_by_replica(routed_app)
+    body = {
+        "model": MODEL,
+        "prompt": document("tides", 9) + "Go on.",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with requests.post(f"{routed_app}/v1/completions", json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        replica = r.headers[REPLICA_HEADER]
+        next(r.iter_lines())  # the stream is running; leave at once
+    # the connection is closed: the front cancels its call, and with it the replica's work
+    for _ in range(600):  # hang guard
+        if aborted_by_replica(routed_app)[replica] > before[replica]:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the replica never dropped the stream of the client that left")
