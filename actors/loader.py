@@ -121,12 +121,12 @@ def _from_hub_cache(model: str, repo_id: str, revision: str | None) -> Path:
         )
     except (LocalEntryNotFoundError, FileNotFoundError, OSError) as exc:
         at = f" at revision {revision!r}" if revision else ""
+        args = f"download {repo_id}" + (f" --revision {revision}" if revision else "")
         raise FileNotFoundError(
             f"model {model!r}: no local folder of that name, and hub model {repo_id!r}{at} is "
             f"not in the Hugging Face cache {cache} (set by HF_HUB_CACHE or HF_HOME; nothing "
-            f"is downloaded). Run `huggingface-cli download {repo_id}"
-            f"{f' --revision {revision}' if revision else ''}` on a machine with network "
-            "(with the same HF_HOME), or pass a local model folder"
+            f"is downloaded). Run `hf {args}` (older huggingface_hub: `huggingface-cli "
+            f"{args}`) on a machine with network into that cache, or pass a local model folder"
         ) from exc
     return Path(str(folder))
 

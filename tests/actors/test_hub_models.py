@@ -84,8 +84,9 @@ def test_missing_hub_id_names_id_cache_and_remedy(hub_cache) -> None:  # noqa: A
         resolve("org/missing")
     message = str(info.value)
     assert "'org/missing'" in message and str(hub_cache) in message
-    assert "huggingface-cli download org/missing" in message and "local model folder" in message
-    with pytest.raises(FileNotFoundError, match="at revision 'nope'"):
+    assert "`hf download org/missing`" in message and "local model folder" in message
+    assert "`huggingface-cli download org/missing`" in message  # huggingface_hub < 1.0
+    with pytest.raises(FileNotFoundError, match="at revision 'nope'.*hf download org/tiny --re"):
         resolve("org/tiny@nope")
     with pytest.raises(FileNotFoundError, match="neither 'smollm2'"):
         resolve("/no/such/model")  # not spelled like an id: the old message
@@ -126,6 +127,6 @@ def test_cli_exits_2_for_a_hub_id_not_in_the_cache(tmp_path) -> None:  # noqa: A
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
     assert "--model" in done.stderr and "'org/missing'" in done.stderr, done.stderr[-2000:]
-    assert "huggingface-cli download org/missing" in done.stderr
+    assert "hf download org/missing" in done.stderr
     assert "Started a local Ray" not in done.stderr  # refused before Ray
     assert not (tmp_path / "out").exists()  # before any work
