@@ -31,7 +31,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy packing actors
 
 unit: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 -p tests.xdist_groups
 
 test: lint typecheck unit
 
