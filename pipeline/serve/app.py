@@ -29,7 +29,7 @@ from pipeline.serve.cli import serve_config_from_app_args
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.errors import APIError
 from pipeline.serve.front import PrefixFront, run_asgi
-from pipeline.serve.guard import GuardLimits, GuardMiddleware
+from pipeline.serve.guard import GuardMiddleware, guard_limits
 from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.protocol import HealthResponse
 from pipeline.serve.replicas import ReplicaHeader, Scope
@@ -53,13 +53,7 @@ def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = 
         title="raypack", summary="OpenAI-compatible serving", docs_url=None, redoc_url=None
     )
     config = service.config
-    limits = GuardLimits(
-        max_body_bytes=config.max_body_bytes,
-        body_timeout_s=config.body_timeout_s,
-        max_slow_bodies_per_client=config.max_slow_bodies_per_client,
-        max_slow_bodies=config.max_slow_bodies,
-        max_requests_per_client=config.max_requests_per_client,
-    )
+    limits = guard_limits(config)
     on_reject = metrics.record_rejected if metrics is not None else None
     api.add_middleware(GuardMiddleware, limits=limits, on_reject=on_reject)  # type: ignore[arg-type]
     # Parsing, the chat template and tokenizing take up to seconds for a large body: off the
@@ -252,7 +246,7 @@ def build_app(args: ServeConfig | Mapping[str, Any]) -> Application:
         max_ongoing_requests=config.ongoing_limit * config.replicas.highest,
         ray_actor_options={"num_cpus": FRONT_NUM_CPUS},
     )
-    routed: Application = front.bind(app, config.max_body_bytes, config.body_timeout_s)
+    routed: Application = front.bind(app, guard_limits(config))
     return routed
 
 

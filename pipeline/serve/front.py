@@ -4,8 +4,13 @@ and passes it to the engine replicas through a handle whose router is PrefixAffi
 streams the ASGI messages back, which the front sends on unchanged (headers, status, SSE).
 
 Why a front at all: Serve's proxy routes an HTTP request before its body is read, so a router
-there cannot see the prompt. The replica's API still does all checking (keys, limits, the
-guard's 413/408 on what the front passes on); the front only bounds what it reads.
+there cannot see the prompt. The front reads bodies under the replicas' own guard
+(pipeline/serve/guard.py, ServeConfig's limits: 413, 408, slow bodies capped per client and in
+all with a 429, generic 500s), keyed on the client address Serve's proxy puts in the ASGI
+scope, so slow senders are bounded where they are held; only whole bodies go on. The replica's
+API still does all checking (keys, request limits, its own guard on what the front passes on).
+/health goes on to a replica like any request (its answer is that replica's engine state); it
+never enters an engine's staging queue and is never capped per client.
 """
 
 from __future__ import annotations
@@ -13,16 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pipeline.serve.guard import GuardLimits, GuardMiddleware
 from pipeline.serve.replicas import Receive, Scope, Send
 from pipeline.serve.router import RoutedRequest, prefix_hashes, routing_text
 
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Forward = Callable[[RoutedRequest], AsyncIterator[Scope]]
 # The ASGI scope keys a replica's API needs (what Serve's proxy gives, minus local objects).
 SCOPE_KEYS = (
     "type",
@@ -106,38 +113,47 @@ async def run_asgi(app: ASGIApp, request: RoutedRequest) -> AsyncIterator[Scope]
                 await task
 
 
-class _Forwarded(Response):
-    """A response that sends the engine replica's ASGI messages on as they come."""
+def front_app(forward: Forward, limits: GuardLimits) -> GuardMiddleware:
+    """The front's ASGI app: the guard reads each body under `limits`, then the request, keyed
+    by its prefix, goes to `forward` (the engine replicas' handle) and the ASGI messages it
+    yields are sent on as they come."""
 
-    def __init__(self, messages: AsyncIterator[Scope]) -> None:  # no body of its own
-        self._messages = messages
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async for message in self._messages:
-            await send(message)
-
-
-@serve.deployment(name="raypack-front", health_check_timeout_s=60)
-class PrefixFront:
-    """Reads each request, keys its prefix, and streams the engine replica's answer back. Not
-    an ingress (an app has one, the engine's API): Serve hands it the Starlette request."""
-
-    def __init__(self, engine: Any, max_body_bytes: int, body_timeout_s: float) -> None:
-        # `engine`: the engine deployment's handle (Serve passes the bound app as one)
-        self._engine = engine.options(method_name="routed", stream=True)
-        self._max_body_bytes = max_body_bytes
-        self._body_timeout_s = body_timeout_s
-
-    async def __call__(self, request: Request) -> Response:
-        body, complete = await read_body(
-            request.receive, self._max_body_bytes, self._body_timeout_s
-        )
+    async def pass_on(scope: Scope, receive: Receive, send: Send) -> None:
+        # the guard has read the body (a request without one: the proxy's empty message)
+        body, complete = await read_body(receive, limits.max_body_bytes, limits.body_timeout_s)
         prefix = prefix_hashes(routing_text(body)) if complete else ()
-        scope = request.scope
         routed = RoutedRequest(
             scope={key: scope[key] for key in SCOPE_KEYS if key in scope},
             body=body,
             complete=complete,
             prefix=prefix,
         )
-        return _Forwarded(self._engine.remote(routed))
+        async for message in forward(routed):
+            await send(message)
+
+    return GuardMiddleware(pass_on, limits)
+
+
+class _Served(Response):
+    """A response that runs the front's ASGI app on the request Serve gave it."""
+
+    def __init__(self, app: GuardMiddleware) -> None:  # no body of its own
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._app(cast(dict[str, Any], scope), receive, send)  # the scope itself
+
+
+@serve.deployment(name="raypack-front", health_check_timeout_s=60)
+class PrefixFront:
+    """Reads each request, keys its prefix, and streams the engine replica's answer back. Not
+    an ingress (an app has one, the engine's API): Serve hands it the Starlette request, and
+    runs the response it returns on that request's ASGI scope, receive and send."""
+
+    def __init__(self, engine: Any, limits: GuardLimits) -> None:
+        # `engine`: the engine deployment's handle (Serve passes the bound app as one)
+        handle = engine.options(method_name="routed", stream=True)
+        self._app = front_app(handle.remote, limits)
+
+    async def __call__(self, request: Request) -> Response:
+        return _Served(self._app)

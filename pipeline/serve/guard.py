@@ -35,9 +35,12 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.serve.errors import APIError, internal_error
+
+if TYPE_CHECKING:
+    from pipeline.serve.config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,17 @@ class GuardLimits:
     # A body still incomplete this long after arrival is a slow one. Not shorter: the replica
     # pulls the body from Serve's proxy by a remote call, which a loaded box can delay.
     grace_s: float = 1.0
+
+
+def guard_limits(config: ServeConfig) -> GuardLimits:
+    """The guard's limits from a ServeConfig (the replicas' API and the prefix front use them)."""
+    return GuardLimits(
+        max_body_bytes=config.max_body_bytes,
+        body_timeout_s=config.body_timeout_s,
+        max_slow_bodies_per_client=config.max_slow_bodies_per_client,
+        max_slow_bodies=config.max_slow_bodies,
+        max_requests_per_client=config.max_requests_per_client,
+    )
 
 
 def request_id_of(scope: Scope) -> str:

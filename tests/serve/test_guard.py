@@ -1,5 +1,7 @@
 """GuardMiddleware on its own (no Ray): body size and time limits, slow-body caps per client,
-the per-client cap, and generic 500s. A plain ASGI app echoes what it received."""
+the per-client cap, and generic 500s. A plain ASGI app echoes what it received. Also the
+prefix-routing front's app (pipeline/serve/front.py) over the same guard, its replicas an echo
+run through run_asgi as a replica runs a routed request."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from typing import Any
 
 import pytest
 
+from pipeline.serve.front import front_app, run_asgi
 from pipeline.serve.guard import GuardLimits, GuardMiddleware
+from pipeline.serve.router import RoutedRequest
 
 LIMITS = GuardLimits(
     max_body_bytes=100,
@@ -31,7 +35,7 @@ async def echo(scope: dict, receive: Any, send: Any) -> None:
 
 
 async def call(
-    guard: GuardMiddleware,
+    guard: Any,
     pieces: list[bytes],
     *,
     client: str = "10.0.0.1",
@@ -175,3 +179,36 @@ def test_requests_per_client_are_capped_except_health() -> None:
 def test_bodiless_methods_are_not_read(method: str) -> None:
     status, _ = run(call(GuardMiddleware(echo, LIMITS), [b"q"], method=method))
     assert status == 200
+
+
+def test_the_front_guards_slow_bodies_and_passes_only_whole_ones_on() -> None:
+    """At the front: slow bodies beyond the client's cap are 429s, those within it 408s at the
+    body timeout, and never reach a replica; a normal request and /health from the same client
+    are answered meanwhile, with the client's real address in the scope passed on."""
+    routed: list[RoutedRequest] = []
+
+    def forward(request: RoutedRequest) -> Any:
+        routed.append(request)
+        return run_asgi(echo, request)
+
+    front = front_app(forward, LIMITS)
+    assert isinstance(front, GuardMiddleware) and front.limits == LIMITS
+
+    async def main() -> list[tuple[int, bytes]]:
+        slow = [asyncio.create_task(call(front, [b"{"], stall=True)) for _ in range(3)]
+        # the third is refused once the other two hold the client's slots; they are still held
+        await asyncio.wait(slow, return_when=asyncio.FIRST_COMPLETED)
+        normal = await call(front, [b'{"prompt": ', b'"hi"}'])
+        health = await call(front, [b""], path="/health", method="GET")
+        return [*(await asyncio.gather(*slow)), normal, health]
+
+    results = run(main())
+    statuses = [status for status, _ in results]
+    assert sorted(statuses[:3]) == [408, 408, 429] and statuses[3:] == [200, 200]
+    (refused,) = [json.loads(body)["error"] for status, body in results[:3] if status == 429]
+    assert refused["code"] == "too_many_requests" and "10.0.0.1" in refused["message"]
+    assert results[3][1] == b'{"prompt": "hi"}'
+    # only the normal request and /health went on, whole, with the client's address
+    assert [r.scope["path"] for r in routed] == ["/v1/completions", "/health"]
+    assert all(r.complete and r.scope["client"] == ("10.0.0.1", 1234) for r in routed)
+    assert not front._slow

@@ -5,17 +5,22 @@ the session's Serve: 4 long documents x 3 questions, shuffled, one at a time; ev
 document is answered by the same replica (`x-raypack-replica`) and each repeated one finds
 >= 90% of its document's tokens cached. Without Ray: the routing decision, the prompt text it
 keys, the front's body reading and its ASGI pass-through, and which apps route (routing off:
-Serve's default router, no front). Timeouts are hang guards only."""
+Serve's default router, no front). Live, the front's guard: slow bodies beyond a client's cap
+are 429s and those within it 408s, answered by the front (no replica header), while /health and
+a normal request answer. Timeouts are hang guards only."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import requests
@@ -26,6 +31,7 @@ from starlette.routing import Route
 from transformers import AutoTokenizer
 
 from pipeline.serve import build_app
+from pipeline.serve.config import ServeConfig
 from pipeline.serve.front import read_body, run_asgi
 from pipeline.serve.replicas import REPLICA_HEADER
 from pipeline.serve.router import (
@@ -280,3 +286,54 @@ def test_a_client_leaving_a_routed_stream_aborts_it_on_its_replica(routed_app: s
             return
         time.sleep(0.1)
     raise AssertionError("the replica never dropped the stream of the client that left")
+
+
+def open_slow_body(base: str, path: str) -> socket.socket:
+    """Headers promising 1000 bytes of body, then 10 of them, then nothing."""
+    where = urlsplit(base)
+    sock = socket.create_connection((where.hostname, where.port), timeout=60)
+    sock.sendall(
+        f"POST {where.path}{path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        + b"Content-Length: 1000\r\n\r\n"
+        + b'{"model": '
+    )
+    return sock
+
+
+def answer_of(sock: socket.socket) -> tuple[int, bytes]:
+    """The status and the whole response (headers and body) the server sends on `sock`."""
+    received = b""
+    while piece := sock.recv(4096):
+        received += piece
+    sock.close()
+    return (int(received.split(b" ", 2)[1]) if received else 0), received
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_front_caps_slow_bodies_per_client_and_keeps_answering(routed_app: str) -> None:
+    per_client = ServeConfig().max_slow_bodies_per_client
+    socks = [open_slow_body(routed_app, "/v1/completions") for _ in range(per_client + 4)]
+    with ThreadPoolExecutor(max_workers=len(socks)) as pool:
+        try:
+            answers = [pool.submit(answer_of, sock) for sock in socks]
+            # four beyond the client's cap are refused once the others count as slow; while
+            # those are held, /health and a normal request answer
+            for count, _ in enumerate(as_completed(answers, timeout=120), start=1):
+                if count == 4:
+                    break
+            assert requests.get(f"{routed_app}/health", timeout=60).status_code == 200
+            body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+            answer = requests.post(f"{routed_app}/v1/completions", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            results = [future.result(timeout=120) for future in answers]
+        finally:
+            for sock in socks:
+                sock.close()
+    statuses = sorted(status for status, _ in results)
+    assert statuses == [408] * per_client + [429] * 4, results
+    for _, raw in results:  # the front answered: no replica saw these requests
+        assert REPLICA_HEADER.encode() not in raw.lower(), raw
+    # keyed on the client's own address (Serve's proxy puts it in the scope)
+    refused = [raw for status, raw in results if status == 429]
+    assert b"bodies are still arriving from 127.0.0.1" in refused[0], refused[0]
