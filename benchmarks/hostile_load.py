@@ -40,6 +40,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per normal request")
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of each replica")
     parser.add_argument("--num-replicas", type=int, default=1, help="replicas of the app")
+    parser.add_argument(
+        "--no-prefix-routing", action="store_true", help="no routing front (replicas > 1)"
+    )
     return parser.parse_args()
 
 
@@ -194,6 +197,7 @@ def main() -> int:
         max_waiting=max(256, args.normal),  # every normal request is taken (no 429)
         num_cpus=args.num_cpus,
         replicas=Replicas(num_replicas=args.num_replicas),
+        prefix_routing=not args.no_prefix_routing,
         api_keys_env=None,
     )
     serve.run(build_app(config), name="raypack", route_prefix="/")

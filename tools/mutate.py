@@ -30,6 +30,7 @@ SAMPLER = [
 ]
 MAPPING = ["tests/serve/test_request_mapping.py", "tests/serve/test_limits_and_keys.py"]
 RESUME = ["tests/pipeline/test_prompts.py", "tests/pipeline/test_read_resume.py"]
+PENALTIES = ["tests/actors/test_penalties.py"]
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,18 @@ MUTATIONS = [
              "req.num_computed_tokens = num_shared", "req.num_computed_tokens = 0", ["tests/actors/test_scheduler.py", *ENGINE]),
     # resume
     Mutation("resume: done rows kept", "pipeline/prompts.py",
-             "keep = pa.array([i not in self.done_ids for i in ids], pa.bool_())",
-             "keep = pa.array([True for i in ids], pa.bool_())", RESUME),
+             "keep = [i not in self.done_ids for i in ids]", "keep = [True for i in ids]", RESUME),
     Mutation("resume: cut files kept", "pipeline/resume.py",
-             "            os.remove(path)\n", "", RESUME),
+             "            storage.delete(path)\n            removed.append(path)\n",
+             "            removed.append(path)\n", RESUME),
+    # penalties
+    Mutation("penalties: presence paid per use", "actors/penalties.py",
+             "pres[:, None] * (counts > 0).to(sub.dtype)", "pres[:, None] * counts", PENALTIES),
+    Mutation("penalties: repetition divides every logit", "actors/penalties.py",
+             "torch.where(sub > 0, sub / penalty, sub * penalty)", "sub / penalty", PENALTIES),
+    Mutation("penalties: repetition ignores the prompt", "actors/penalties.py",
+             "seen = (counts > 0) | (_token_counts(prompts, vocab, sub.dtype) > 0)",
+             "seen = counts > 0", PENALTIES),
     # Serve request mapping
     Mutation("serve: temperature default 0", "pipeline/serve/service.py",
              "temperature=1.0 if request.temperature is None", "temperature=0.0 if request.temperature is None", MAPPING),

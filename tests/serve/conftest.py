@@ -66,6 +66,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+def two_replica_args(model_dir: Path) -> dict[str, str]:
+    """`serve run`-style string arguments of a two-replica app of the tiny model (0.5 CPU each,
+    no API keys whatever the environment holds)."""
+    return {
+        "model": str(model_dir),
+        "served_model_name": MODEL,
+        "num_replicas": "2",
+        "num_cpus": "0.5",
+        "max_num_seqs": "8",
+        "policy": "immediate",
+        "api_keys_env": "",
+    }
+
+
 @dataclass(frozen=True)
 class ServeInstance:
     """Where the session's Serve listens; apps are deployed on it by the fixtures that need them."""

@@ -26,7 +26,7 @@ from pipeline.commands.serve import main as serve_main
 from pipeline.serve import ServeConfig, build_app
 from pipeline.serve.app import replica_options
 from pipeline.serve.replicas import REPLICA_HEADER
-from tests.serve.conftest import MODEL, ServeInstance
+from tests.serve.conftest import MODEL, ServeInstance, two_replica_args
 from tests.serve.hf_reference import HFReference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,15 +154,7 @@ def two_replicas(serve_instance: ServeInstance, tiny_model_dir: Path) -> Iterato
     """The app of two replicas (0.5 CPU each) built from string arguments; its base URL."""
     from ray import serve
 
-    args = {
-        "model": str(tiny_model_dir),
-        "served_model_name": MODEL,
-        "num_replicas": "2",
-        "num_cpus": "0.5",
-        "max_num_seqs": "8",
-        "policy": "immediate",
-        "api_keys_env": "",  # no keys, whatever the environment holds
-    }
+    args = two_replica_args(tiny_model_dir)
     serve.run(serve_run_builder(args), name=APP, route_prefix=f"/{APP}")
     try:
         yield f"{serve_instance.base}/{APP}"

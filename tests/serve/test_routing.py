@@ -42,7 +42,7 @@ from pipeline.serve.router import (
     prefix_hashes,
     routing_text,
 )
-from tests.serve.conftest import MODEL, ServeInstance
+from tests.serve.conftest import MODEL, ServeInstance, two_replica_args
 
 APP = "routing"
 TOPICS = ["rivers", "engines", "gardens", "comets"]
@@ -205,15 +205,7 @@ def routed_app(serve_instance: ServeInstance, tiny_model_dir: Path) -> Iterator[
     """Two replicas (0.5 CPU each) behind the prefix-routing front; its base URL."""
     from ray import serve
 
-    args = {
-        "model": str(tiny_model_dir),
-        "served_model_name": MODEL,
-        "num_replicas": "2",
-        "num_cpus": "0.5",
-        "max_num_seqs": "8",
-        "policy": "immediate",
-        "api_keys_env": "",
-    }
+    args = two_replica_args(tiny_model_dir)
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     try:
         yield f"{serve_instance.base}/{APP}"
