@@ -52,13 +52,17 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def interrupt_on_sigterm() -> None:
-    """SIGTERM stops the server as Ctrl-C does (Serve and Ray shut down, exit 0). Ray's own
-    handler, set by ray.init, would kill its processes without Serve's shutdown and exit 1."""
+def interrupt_on_signals() -> None:
+    """SIGINT (Ctrl-C) and SIGTERM stop the server the same way (Serve and Ray shut down,
+    exit 0). Ray's own SIGTERM handler, set by ray.init, would kill its processes without
+    Serve's shutdown and exit 1. SIGINT is set too, not left to Python's default: a process
+    started in the background by a non-interactive shell (a CI script, `cmd &`) inherits SIGINT
+    ignored, and Python then raises no KeyboardInterrupt (the server never stopped)."""
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
 
 
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     port = args.port or free_port(args.host)
     ray.init(address=args.address, num_cpus=args.ray_num_cpus, include_dashboard=False)
-    interrupt_on_sigterm()
+    interrupt_on_signals()
     try:  # an interrupt while starting stops as cleanly as one while serving
         serve.start(http_options={"host": args.host, "port": port})
         serve.run(build_app(config), name="raypack", route_prefix="/")
