@@ -117,7 +117,7 @@ def test_two_simulated_nodes_dp_and_pp_stages(prompt_table, tiny_model_dir, tmp_
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads((output / "result.json").read_text())
     assert result["nodes"] == 2, result
     assert result["dp_rows"] == result["pp_rows"] == len(rows()), result
     assert len(set(result["stage_nodes"])) == 2, result  # stage 0 and stage 1 apart

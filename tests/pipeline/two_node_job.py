@@ -38,7 +38,8 @@ def node_recording_stage(record: Path):  # noqa: ANN201 (an InferStage subclass)
 
 
 def main(table: str, model_dir: str, output: str) -> None:
-    """Start the cluster, run both jobs, print their row counts and the node count as JSON."""
+    """Start the cluster, run both jobs, write their row counts and the node count as JSON to
+    `output`/result.json (not stdout: Ray's log monitor may print to stdout after us)."""
     # Cluster ignores its temp-dir arguments (NOTES-ray): RAY_TMPDIR, with ray/ in it, works.
     temp_dir = tempfile.mkdtemp(prefix="rpc", dir="/tmp")
     os.makedirs(os.path.join(temp_dir, "ray"))
@@ -72,7 +73,7 @@ def main(table: str, model_dir: str, output: str) -> None:
         record = Path(output) / "stage_nodes.json"
         result["pp_rows"] = run_job(pp, infer_cls=node_recording_stage(record)).rows
         result["stage_nodes"] = json.loads(record.read_text())
-        print(json.dumps(result))
+        (Path(output) / "result.json").write_text(json.dumps(result))
     finally:
         ray.shutdown()
         cluster.shutdown()
