@@ -239,6 +239,25 @@ class Processor:
             num_cpus=compute.task_num_cpus,
         )
 
+    def retry_errors(self, ds):  # noqa: ANN001, ANN201 (ray.data.Dataset in and out)
+        """The processor's `--retry-errors`: `ds` is a dataset this processor returned (its
+        rows possibly changed since, e.g. a fixed override column). Rows whose `error` is null
+        pass through as they are, nothing redone; the others lose their generated columns and
+        run again. Every row comes back once (in no particular order, as `union` gives)."""
+        from ray.data.expressions import col
+
+        outputs = [*GENERATED_COLUMNS, *((LOGPROBS,) if self.config.with_logprobs else ())]
+        names = list(ds.schema().names)
+        missing = [c for c in outputs if c not in names]
+        if missing:
+            raise ValueError(
+                f"retry_errors takes a dataset this processor returned; it has no {missing} "
+                f"columns. Its columns: {names}"
+            )
+        kept = ds.filter(expr=col(stage.ERROR).is_null())
+        failed = ds.filter(expr=col(stage.ERROR).is_not_null()).drop_columns(outputs)
+        return kept.union(self(failed))
+
     def model_facts(self) -> tuple[int, int]:
         """The model's context length and vocabulary size (read once, on the driver)."""
         if self._model is None:
