@@ -22,6 +22,7 @@ from actors.parallel import placement
 from pipeline import engine_placement, lineage, stage, storage
 from pipeline.config import OUTPUT_ID, JobConfig
 from pipeline.dedupe import CONTENT
+from pipeline.engine_actor import default_torch_threads, engine_actor_args, shards_in_flight
 from pipeline.engine_placement import EnginePlacements
 from pipeline.infer import InferStage
 from pipeline.output import OutputFolder, check_output
@@ -43,7 +44,6 @@ from pipeline.tokenize import TokenizeStage
 logger = logging.getLogger(__name__)
 
 BYTES_PER_PARTITION = 64 * 2**20  # input bytes per shuffle partition when not configured
-MAX_SHARDS_IN_FLIGHT = 16  # per engine actor: each is a thread waiting in the actor
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,9 @@ def build_dataset(
     )
     # One shard per block, so one actor task is one shard: an actor that dies redoes only it.
     ds = ds.repartition(target_num_rows_per_block=1)
-    actor_args = engine_actor_args(config, groups)
+    actor_args = engine_actor_args(compute, groups)
+    in_flight = shards_in_flight(config.engine, config.plan)
+    threads = default_torch_threads(compute, actor_args, config.engine.world_size)
     with warnings.catch_warnings():
         # max_restarts / max_task_retries have no named parameter in map_batches (2.60), and
         # Ray Data's default is to retry forever: a shard that kills its actor every time
@@ -226,7 +228,7 @@ def build_dataset(
                 sampling=config.sampling,
                 text_column=config.text_column,
                 keep_columns=keep,
-                torch_threads=compute.torch_threads or default_torch_threads(config, actor_args),
+                torch_threads=compute.torch_threads or threads,
                 engine_retries=compute.engine_retries,
             ),
             batch_format="pyarrow",
@@ -235,62 +237,12 @@ def build_dataset(
                 size=compute.num_actors,
                 # Several shards in one actor at once, so the next shard's prompts join the
                 # running batch while the last ones decode (pipeline/feed.py).
-                max_concurrent_calls_per_actor=shards_in_flight(config),
-                max_tasks_in_flight_per_actor=shards_in_flight(config),
+                max_concurrent_calls_per_actor=in_flight,
+                max_tasks_in_flight_per_actor=in_flight,
                 enable_true_multi_threading=True,
             ),
             **actor_args,
         )
-
-
-def shards_in_flight(config: JobConfig) -> int:
-    """Shards one engine actor holds at once: enough rows to fill `max_num_seqs`, plus one
-    shard whose prompts wait to replace the ones that finish."""
-    rows = config.plan.max_rows_per_shard
-    return min(MAX_SHARDS_IN_FLIGHT, max(2, math.ceil(config.engine.max_num_seqs / rows) + 1))
-
-
-def engine_actor_args(config: JobConfig, groups: EnginePlacements | None = None) -> dict:
-    """Resources and restart policy of an engine actor: a GPU each when the cluster has GPUs
-    (or as configured), else a fraction of a CPU; plus any custom resources and memory.
-
-    With `groups` (tp x pp engines) each actor is created in a placement group of its
-    own and takes no GPU itself: its workers hold them, one per bundle."""
-    import ray
-
-    compute = config.compute
-    gpus = compute.num_gpus_per_actor
-    if gpus is None:
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-    args: dict = dict(
-        num_cpus=compute.num_cpus_per_actor,
-        num_gpus=gpus,
-        max_restarts=compute.max_restarts,
-        max_task_retries=compute.max_restarts,
-    )
-    if compute.resources:
-        args["resources"] = dict(compute.resources)
-    if compute.memory_gb_per_actor:
-        args["memory"] = int(compute.memory_gb_per_actor * 2**30)
-    if groups is not None:
-        args["num_gpus"] = 0
-        args["ray_remote_args_fn"] = groups
-    return args
-
-
-def default_torch_threads(config: JobConfig, actor_args: dict) -> int | None:
-    """Torch threads of a CPU engine actor: the cluster's CPUs shared by the engine actors.
-
-    Ray sets OMP_NUM_THREADS to an actor's whole CPUs, so a 0.5-CPU actor would run torch
-    on one thread however many cores are idle; the CPU fraction is only for scheduling.
-    None (torch's default) for GPU actors and for tp x pp engines (their workers compute).
-    """
-    import ray
-
-    if actor_args["num_gpus"] or config.engine.world_size > 1:
-        return None
-    cpus = ray.cluster_resources().get("CPU", 1)
-    return max(1, int(cpus // config.compute.num_actors))
 
 
 def check_room(config: JobConfig) -> EnginePlacements | None:

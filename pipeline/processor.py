@@ -14,13 +14,13 @@ stops the dataset.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field, replace
 
 from actors.config import EngineConfig, SamplingParams
 from pipeline import stage
 from pipeline.config import ComputeConfig, PlanConfig, PromptConfig
+from pipeline.engine_actor import default_torch_threads, engine_actor_args, shards_in_flight
 from pipeline.processor_stages import (
     GENERATED_COLUMNS,
     INPUT,
@@ -32,8 +32,6 @@ from pipeline.processor_stages import (
 )
 from pipeline.prompts import SAMPLING_FIELDS
 from pipeline.tokenize import TokenizeStage
-
-MAX_SHARDS_IN_FLIGHT = 16  # per engine actor: each is a thread waiting in the actor
 
 
 @dataclass(frozen=True)
@@ -217,8 +215,7 @@ class Processor:
                 fn_constructor_args=(config.engine, config.sampling),
                 fn_constructor_kwargs=dict(
                     keep_columns=(INPUT,),
-                    torch_threads=compute.torch_threads
-                    or default_torch_threads(compute, args["num_gpus"]),
+                    torch_threads=compute.torch_threads or default_torch_threads(compute, args),
                     engine_retries=compute.engine_retries,
                     with_logprobs=config.with_logprobs,
                 ),
@@ -313,44 +310,6 @@ def model_facts(engine: EngineConfig) -> tuple[int, int]:
     ).get_text_config()
     context = engine.max_model_len or int(getattr(hf, "max_position_embeddings", None) or 2048)
     return context, int(hf.vocab_size)
-
-
-def engine_actor_args(compute: ComputeConfig) -> dict:
-    """Resources and restart policy of a single-process engine actor: a GPU when the cluster
-    has GPUs (or as configured), else a fraction of a CPU; plus custom resources and memory."""
-    import ray
-
-    gpus = compute.num_gpus_per_actor
-    if gpus is None:
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-    args: dict = dict(
-        num_cpus=compute.num_cpus_per_actor,
-        num_gpus=gpus,
-        max_restarts=compute.max_restarts,
-        max_task_retries=compute.max_restarts,
-    )
-    if compute.resources:
-        args["resources"] = dict(compute.resources)
-    if compute.memory_gb_per_actor:
-        args["memory"] = int(compute.memory_gb_per_actor * 2**30)
-    return args
-
-
-def default_torch_threads(compute: ComputeConfig, num_gpus: float) -> int | None:
-    """Torch threads of a CPU engine actor: the cluster's CPUs shared by the engine actors
-    (Ray would give a 0.5-CPU actor one thread); None (torch's default) on GPU."""
-    import ray
-
-    if num_gpus:
-        return None
-    return max(1, int(ray.cluster_resources().get("CPU", 1) // compute.num_actors))
-
-
-def shards_in_flight(engine: EngineConfig, plan: PlanConfig) -> int:
-    """Shards one engine actor holds at once: enough rows to fill `max_num_seqs`, plus one
-    shard whose prompts wait to replace the ones that finish."""
-    rows = plan.max_rows_per_shard
-    return min(MAX_SHARDS_IN_FLIGHT, max(2, math.ceil(engine.max_num_seqs / rows) + 1))
 
 
 def _plan_stage(plan: PlanConfig, sampling: SamplingParams):  # noqa: ANN202 (PlanStage)

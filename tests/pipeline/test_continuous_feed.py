@@ -14,8 +14,9 @@ from actors import LLMEngine
 from actors.config import EngineConfig, SamplingParams
 from packing import PrefixGroup
 from pipeline.config import PromptConfig
+from pipeline.engine_actor import shards_in_flight
 from pipeline.feed import EngineFeed
-from pipeline.job import run_job, shards_in_flight
+from pipeline.job import run_job
 from pipeline.prompts import PromptBuilder, merge_sampling
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 from tests.pipeline.test_job import make_config, read_output
@@ -119,7 +120,7 @@ def test_a_failing_engine_fails_the_shards_in_it_and_goes_on(tiny_model_dir: Pat
 def test_shards_in_flight_cover_the_batch(tmp_path: Path) -> None:
     def in_flight(rows_per_shard: int) -> int:
         config = make_config(tmp_path, tmp_path, tmp_path, max_rows_per_shard=rows_per_shard)
-        return shards_in_flight(config)
+        return shards_in_flight(config.engine, config.plan)
 
     # make_config's max_num_seqs is 64: enough shards to fill it, plus one waiting
     assert (in_flight(16), in_flight(20), in_flight(256)) == (5, 5, 2)

@@ -11,17 +11,10 @@ import pytest
 from actors import EngineConfig, LLMEngine, SamplingParams
 from pipeline import ProcessorConfig, build_processor
 from pipeline.config import ComputeConfig, PlanConfig
+from tests.pipeline.test_retry_errors import BAD, PROMPTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-PROMPTS = {
-    "ok-1": "The first note says the sky is blue. What colour is the sky?",
-    "bad-1": "The second note is about trains. When do they leave?",
-    "ok-2": "The third note lists fruit: apples and pears. Name one.",
-    "bad-2": "The fourth note: bread needs flour and water. What else?",
-    "ok-3": "The fifth note: the sea is salty. Why?",
-}
-BAD = {"bad-1", "bad-2"}
 KEPT = "kept from the first run"
 
 
