@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from packing.step_budget import StepBudgetConfig
+
 # How attention runs (`actors.attention`); "auto" picks from the device and dtype.
 AttentionBackendName = Literal["auto", "cpu_kernel", "sdpa", "varlen"]
 ATTENTION_BACKENDS = ("auto", "cpu_kernel", "sdpa", "varlen")
@@ -51,11 +53,31 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # stages, each a contiguous slice of the decoder layers
     placement_strategy: PlacementStrategy = "PACK"  # where stages go (tp alone: STRICT_PACK)
     worker_num_cpus: float = 1.0  # CPUs in each worker's bundle (fractional in CPU tests)
+    # A TPOT target (seconds per output token) turns the step budget into a controller
+    # (packing/step_budget.py): each step's budget grows by `budget_increase_tokens` while steps
+    # finish within the target and is cut by `budget_decrease_factor` when one does not, between
+    # the running decodes + one block of prefill and `max_num_batched_tokens`. None: the fixed
+    # budget `max_num_batched_tokens` every step.
+    tpot_target_s: float | None = None
+    budget_increase_tokens: int = 16
+    budget_decrease_factor: float = 0.75
 
     @property
     def world_size(self) -> int:
         """Worker processes of one engine (tp x pp); 1 runs the model in the engine itself."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def step_budget_config(self) -> StepBudgetConfig | None:
+        """The step budget controller's settings; None without a TPOT target (fixed budget)."""
+        if self.tpot_target_s is None:
+            return None
+        return StepBudgetConfig(
+            tpot_target_s=self.tpot_target_s,
+            ceiling=self.max_num_batched_tokens,
+            increase_tokens=self.budget_increase_tokens,
+            decrease_factor=self.budget_decrease_factor,
+            min_prefill_tokens=min(self.block_size, self.max_num_batched_tokens),
+        )
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -71,6 +93,7 @@ class EngineConfig:
         _positive("block_size", self.block_size)
         if self.chunk_size is not None:
             _positive("chunk_size", self.chunk_size)
+        self.step_budget_config()  # validates the controller's knobs
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.kv_cache_memory_gb <= 0:

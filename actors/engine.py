@@ -27,6 +27,7 @@ from actors.scheduler import SchedulerOutput
 from actors.stats import EngineStats, StepStats
 from actors.tokenization import encode_text
 from actors.virtual_schedulers import VirtualSchedulers
+from packing.step_budget import StepBudgetController
 
 if TYPE_CHECKING:
     from packing.prefix import PrefixGroup
@@ -112,12 +113,16 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # finished outside a step (errors, aborts)
         self._next_id = 0
         self._stats = StepStats()
+        # The step budget: fixed (None), or moved towards a TPOT target (packing/step_budget.py).
+        budget_config = config.step_budget_config()
+        self.step_budget = StepBudgetController(budget_config) if budget_config else None
         logger.info(
-            "engine ready: %d KV blocks of %d tokens, max_model_len %d, budget %d tokens/step",
+            "engine ready: %d KV blocks of %d tokens, max_model_len %d, budget %d tokens/step%s",
             num_blocks,
             config.block_size,
             self.max_model_len,
             config.max_num_batched_tokens,
+            "" if budget_config is None else f" at most, aimed at TPOT {config.tpot_target_s}s",
         )
 
     # ---- requests -------------------------------------------------------------------------
@@ -177,7 +182,12 @@ class LLMEngine:
         self.scheduler.schedulers[index].update_after_step(sched)
         self._apply_samples(sampling, logits, outputs)
         self._last_step_end = time.perf_counter()
-        self._stats.record(sched, self._last_step_end - started, self.scheduler)
+        seconds = self._last_step_end - started
+        self._stats.record(sched, seconds, self.scheduler)
+        if self.step_budget is not None:
+            self.step_budget.observe(
+                seconds, sched.token_budget, sched.total_num_scheduled_tokens, sched.num_decodes
+            )
         if self.runner.max_in_flight > 1:
             self._fill(outputs)  # the set just sampled can go again before we wait
         return outputs
@@ -194,7 +204,10 @@ class LLMEngine:
             scheduler = self.scheduler.schedulers[index]
             if index in busy or not scheduler.has_unfinished():
                 continue
-            sched = scheduler.schedule()
+            budget = None
+            if self.step_budget is not None:
+                budget = self.step_budget.budget(scheduler.num_decodes)
+            sched = scheduler.schedule(budget)
             for req in scheduler.failed:
                 self.scheduler.release(req.request_id)
                 outputs.append(self._retire(req))

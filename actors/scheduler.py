@@ -2,7 +2,8 @@
 
 Decode-maximal batching (Sarathi): running requests that decode go first (one token each),
 then running requests still in prefill, then new admissions in the planned order, each chunk
-capped by `chunk_size` and by what is left of `max_num_batched_tokens`. With a `chunk_size`,
+capped by `chunk_size` and by what is left of the step's token budget (`max_num_batched_tokens`,
+or what the engine's TPOT controller gives the step: packing/step_budget.py). With a `chunk_size`,
 running prefills also leave room for the next admission's first chunk while one waits (at
 most half the budget; what it does not use goes back to them), so long prompts in prefill,
 however many, never hold a newcomer back: it starts in the next step. Admission is by KV
@@ -39,6 +40,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]]  # (request, num_new_tokens): decodes, then prefills
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks
     preempted: list[Request] = field(default_factory=list)
+    token_budget: int = 0  # the step's budget (fixed, or the TPOT controller's)
+    num_decodes: int = 0  # running requests that decode in it
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -74,16 +77,23 @@ class Scheduler:
         """True while a request is waiting or running."""
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan the next step. The token budget is filled decodes first."""
-        budget = self.config.max_num_batched_tokens
+    @property
+    def num_decodes(self) -> int:
+        """Running requests that decode in the next step (one token each)."""
+        return sum(1 for r in self.running if r.num_uncomputed_tokens == 1)
+
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """Plan the next step. The token budget (`token_budget`, else the configured
+        `max_num_batched_tokens`) is filled decodes first."""
+        budget = token_budget or self.config.max_num_batched_tokens
         chunk = self.config.chunk_size or budget
         plan: dict[str, tuple[Request, int]] = {}
-        out = SchedulerOutput(scheduled=[])
+        out = SchedulerOutput(scheduled=[], token_budget=budget)
 
         decoding = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefilling = [r for r in self.running if r.num_uncomputed_tokens > 1]
-        reserve = self._admission_reserve(chunk) if prefilling else 0
+        reserve = self._admission_reserve(chunk, budget) if prefilling else 0
+        out.num_decodes = len(decoding)
         held_back: list[Request] = []  # prefills given less than their chunk for the reserve
         for req in decoding + prefilling:
             if budget == 0:
@@ -194,7 +204,7 @@ class Scheduler:
                 plan[req.request_id] = (req, num_new + extra)
                 budget -= extra
 
-    def _admission_reserve(self, chunk: int) -> int:
+    def _admission_reserve(self, chunk: int, budget: int) -> int:
         """Budget that running prefills leave for the next admission's first chunk: none
         without a `chunk_size` (a prefill may take the whole step), when nothing can be
         admitted (no one waiting, `max_num_seqs` running, or too few free blocks), and at
@@ -204,7 +214,7 @@ class Scheduler:
         head = self._next_admissible()
         if head is None:
             return 0
-        reserve = min(head.num_tokens, chunk, self.config.max_num_batched_tokens // 2)
+        reserve = min(head.num_tokens, chunk, budget // 2)
         if self.kv.num_free_blocks < self.kv.blocks_for(reserve) + self.watermark_blocks:
             return 0
         return reserve

@@ -1,7 +1,7 @@
 """raypack packing: pure algorithms (no torch, no ray; numpy only).
 
 Bin packing, prefix trees and grouping, block hashes and shard keys, group ordering, layouts
-and the online admission controller's rule. The names below are the public API.
+the online admission controller's rule and the step budget's TPOT controller. The names below are the public API.
 """
 
 from packing.admission import AdmissionConfig, AdmissionController, AdmissionDecision
@@ -17,6 +17,7 @@ from packing.prefix import (
     prefix_forest,
     saving_ratio,
 )
+from packing.step_budget import StepBudgetConfig, StepBudgetController
 
 __all__ = [
     "AdmissionConfig",
@@ -24,6 +25,8 @@ __all__ = [
     "AdmissionDecision",
     "FlatLayout",
     "PrefixGroup",
+    "StepBudgetConfig",
+    "StepBudgetController",
     "block_diagonal_causal_mask",
     "block_hashes",
     "flat_layout",

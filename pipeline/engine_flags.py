@@ -67,6 +67,13 @@ def add_engine_flags(
         "request's first chunk (default: the step budget; serving: half of it)",
     )
     g.add_argument(
+        "--tpot-target-ms",
+        type=float,
+        help="aim the step budget at this time per output token: it grows while steps finish "
+        "within it and is cut when one does not, up to --max-num-batched-tokens (default: none, "
+        "a fixed budget)",
+    )
+    g.add_argument(
         "--kv-cache-memory-gb",
         type=float,
         default=d.kv_cache_memory_gb,
@@ -111,5 +118,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
     values: dict[str, Any] = {f: getattr(args, f) for f in _FIELDS if hasattr(args, f)}
     if hasattr(args, "no_prefix_caching"):
         values["enable_prefix_caching"] = not args.no_prefix_caching
+    if getattr(args, "tpot_target_ms", None) is not None:
+        values["tpot_target_s"] = args.tpot_target_ms / 1e3
     values.update(overrides)
     return EngineConfig(**values)

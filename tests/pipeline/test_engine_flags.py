@@ -47,3 +47,22 @@ def test_a_bad_value_names_the_field() -> None:
 def test_a_parser_with_fewer_flags_keeps_the_defaults() -> None:
     config = engine_config_from_args(argparse.Namespace(model="/m", max_num_seqs=8))
     assert config == EngineConfig(model="/m", max_num_seqs=8)
+
+
+def test_tpot_target_turns_on_the_step_budget_controller() -> None:
+    config = engine_config_from_args(
+        _parse("--tpot-target-ms", "250", "--max-num-batched-tokens", "256")
+    )
+    assert config.tpot_target_s == 0.25
+    budget = config.step_budget_config()
+    assert budget is not None and budget.ceiling == 256 and budget.tpot_target_s == 0.25
+    assert engine_config_from_args(_parse()).step_budget_config() is None  # fixed by default
+    with pytest.raises(ValueError, match="tpot_target_s"):
+        engine_config_from_args(_parse("--tpot-target-ms", "-1"))
+
+
+def test_serve_app_arguments_take_the_tpot_target() -> None:
+    from pipeline.serve.cli import serve_config_from_app_args
+
+    config = serve_config_from_app_args({"model": "smollm2", "tpot_target_ms": "200"})
+    assert config.engine.tpot_target_s == 0.2
