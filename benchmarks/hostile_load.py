@@ -43,6 +43,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--no-prefix-routing", action="store_true", help="no routing front (replicas > 1)"
     )
+    parser.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=None,
+        help="ServeConfig.max_queue_wait_s: shed (429) requests waiting longer (default: none)",
+    )
     return parser.parse_args()
 
 
@@ -166,6 +172,7 @@ async def phase(base: str, port: int, args: argparse.Namespace, hostile: bool) -
     return {
         "normal_statuses": statuses,
         "normal_latency_s": summary([latency for _, latency, _ in results]),
+        "normal_200_latency_s": summary([latency for st, latency, _ in results if st == 200]),
         "normal_wall_s": round(wall, 3),
         "health_latency_s": summary(health),
         "health_errors": health_errors,
@@ -199,6 +206,7 @@ def main() -> int:
         replicas=Replicas(num_replicas=args.num_replicas),
         prefix_routing=not args.no_prefix_routing,
         api_keys_env=None,
+        max_queue_wait_s=args.max_queue_wait,
     )
     serve.run(build_app(config), name="raypack", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
@@ -212,6 +220,7 @@ def main() -> int:
             "slow_body_connections": args.slow,
             "partial_header_connections": args.partial,
             "max_tokens": args.max_tokens,
+            "max_queue_wait_s": args.max_queue_wait,
             "serve_max_ongoing_requests": config.ongoing_limit,
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],

@@ -175,6 +175,7 @@ class OpenAIDeployment:
             self._admission,
             max_waiting=self._config.max_waiting,
             max_running=self._config.engine.max_num_seqs,
+            max_queue_wait_s=self._config.max_queue_wait_s,
             metrics=self._metrics,
         )
         self._loop.start()

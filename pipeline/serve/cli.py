@@ -80,6 +80,12 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeConfig()
     group = parser.add_argument_group("limits")
     group.add_argument("--max-waiting", type=int, default=d.max_waiting, help="staging capacity")
+    group.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=d.max_queue_wait_s,
+        help="seconds a request may wait for the engine before a 429 (default: no limit)",
+    )
     group.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="body limit")
     group.add_argument(
         "--max-prompt-tokens",
@@ -185,6 +191,7 @@ def serve_config_from_args(
         admission=admission or admission_from_args(args),
         served_model_name=args.served_model_name,
         max_waiting=args.max_waiting,
+        max_queue_wait_s=args.max_queue_wait,
         max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,

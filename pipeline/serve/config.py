@@ -26,6 +26,11 @@ class ServeConfig:
     max_waiting: int = 256
     # Seconds a client is told to wait (Retry-After) when the queue is full.
     retry_after_s: int = 1
+    # Seconds a request may wait in the staging queue for the engine; one still waiting then
+    # is answered 429 with Retry-After (shed, as Triton's queue policy rejects on timeout), so
+    # an overloaded replica answers every request within about this plus its run time.
+    # None: requests wait as long as it takes (vLLM's behaviour).
+    max_queue_wait_s: float | None = None
     # Largest request body accepted, in bytes (413 beyond).
     max_body_bytes: int = 1 << 20
     # Prompt tokens at most; None: the model's context length minus one.
@@ -84,6 +89,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be an integer >= 1 (or None), got {value!r}")
         if not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
+        if self.max_queue_wait_s is not None and not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be > 0 (or None), got {self.max_queue_wait_s}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

@@ -27,7 +27,13 @@ from pipeline.serve.protocol import (
     ModelList,
 )
 from pipeline.serve.responses import DONE, ResponseHeader, finish_reason, sse, usage
-from pipeline.serve.staging import EngineFailedError, EngineLoop, QueueFullError, RequestStream
+from pipeline.serve.staging import (
+    EngineFailedError,
+    EngineLoop,
+    QueueFullError,
+    QueueTimeoutError,
+    RequestStream,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -120,13 +126,17 @@ class OpenAIService:
         try:
             return self.loop.submit(prepared.prompt_token_ids, prepared.params)
         except QueueFullError as exc:
-            raise APIError(
-                429,
-                f"the server is busy ({exc}); retry after {self.config.retry_after_s} s",
-                type="rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(self.config.retry_after_s)},
-            ) from exc
+            raise self.busy(exc) from exc
+
+    def busy(self, exc: Exception) -> APIError:
+        """429 with Retry-After: the staging queue is full or the request waited too long."""
+        return APIError(
+            429,
+            f"the server is busy ({exc}); retry after {self.config.retry_after_s} s",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(self.config.retry_after_s)},
+        )
 
     async def respond(self, prepared: Prepared, stream: RequestStream) -> BaseModel:
         """Wait for the whole answer (non-streaming)."""
@@ -134,6 +144,8 @@ class OpenAIService:
         try:
             async for output in stream:
                 final = output
+        except QueueTimeoutError as exc:
+            raise self.busy(exc) from exc
         except EngineFailedError as exc:
             logger.error("request %s failed in the engine: %s", prepared.header.request_id, exc)
             raise internal_error(prepared.header.request_id) from exc
@@ -171,6 +183,8 @@ class OpenAIService:
                         offset += sum(len(header.logprobs.token(e.token_id)) for e in entries)
             if final is not None and prepared.include_usage:
                 yield header.usage_event(usage(final))
+        except QueueTimeoutError as exc:
+            yield sse(self.busy(exc).body())
         except EngineFailedError as exc:
             logger.error("request %s failed in the engine: %s", header.request_id, exc)
             yield sse(internal_error(header.request_id).body())

@@ -51,6 +51,10 @@ class EngineFailedError(Exception):
     """The engine raised while this request was in it."""
 
 
+class QueueTimeoutError(Exception):
+    """The request waited longer than the replica's max_queue_wait_s; the caller answers 429."""
+
+
 @dataclass
 class _Request:
     """One request from submission to its last output."""
@@ -93,6 +97,8 @@ class RequestStream:
             while True:
                 await request.changed.wait()
                 request.changed.clear()
+                if isinstance(request.error, QueueTimeoutError):
+                    raise request.error
                 if request.error is not None:
                     raise EngineFailedError(str(request.error)) from request.error
                 if request.latest is not None and request.latest is not seen:
@@ -115,6 +121,7 @@ class EngineLoop:
         *,
         max_waiting: int,
         max_running: int | None = None,
+        max_queue_wait_s: float | None = None,
         metrics: ServeMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -124,6 +131,8 @@ class EngineLoop:
         # Requests in the engine at most; the rest wait here, so the staging queue is the only
         # queue and its bound (429 beyond) holds whatever the policy.
         self.max_running = max_running
+        self.max_queue_wait_s = max_queue_wait_s  # shed requests waiting longer (None: never)
+        self.num_shed = 0  # requests answered 429 after waiting max_queue_wait_s
         self._metrics = metrics
         self._clock = clock
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
@@ -205,6 +214,7 @@ class EngineLoop:
         """One pass: aborts, admission, then a step (or a wait for work)."""
         self._wakeup.clear()
         self._apply_aborts()
+        self._shed_late()
         wake_at = self._admit()
         if self.engine.has_unfinished():
             loop = asyncio.get_running_loop()
@@ -216,11 +226,33 @@ class EngineLoop:
                 return
             self._dispatch(outputs)
             return
+        if self._waiting and self.max_queue_wait_s is not None:  # wake to shed the oldest
+            shed_at = next(iter(self._waiting.values())).arrival + self.max_queue_wait_s
+            wake_at = shed_at if wake_at is None else min(wake_at, shed_at)
         timeout = None if wake_at is None else max(0.0, wake_at - self._clock())
         try:
             await asyncio.wait_for(self._wakeup.wait(), timeout)
         except TimeoutError:
             pass
+
+    def _shed_late(self) -> None:
+        """Answer (429) the requests that waited longer than max_queue_wait_s; oldest first,
+        so the scan stops at the first one still in time."""
+        if self.max_queue_wait_s is None:
+            return
+        now = self._clock()
+        while self._waiting:
+            request = next(iter(self._waiting.values()))
+            waited = now - request.arrival
+            if waited <= self.max_queue_wait_s:
+                return
+            del self._waiting[request.request_id]
+            self.num_shed += 1
+            request.error = QueueTimeoutError(
+                f"the request waited {waited:.1f} s for the engine (max_queue_wait_s "
+                f"{self.max_queue_wait_s:g})"
+            )
+            request.changed.set()
 
     def _admit(self) -> float | None:
         """Hand the admitted group to the engine; return when to ask again if nothing changes."""
