@@ -17,6 +17,7 @@ from packing.prefix import (
     prefix_forest,
     saving_ratio,
 )
+from packing.radix import SortedSequences
 from packing.step_budget import StepBudgetConfig, StepBudgetController
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "AdmissionDecision",
     "FlatLayout",
     "PrefixGroup",
+    "SortedSequences",
     "StepBudgetConfig",
     "StepBudgetController",
     "block_diagonal_causal_mask",

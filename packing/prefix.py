@@ -26,9 +26,13 @@ import numpy as np
 import numpy.typing as npt
 
 from packing._checks import describe, is_int, positive_int
-from packing.radix import RadixTree, neighbour_lcp, radix_tree, sort_sequences, token_table
+from packing.radix import RadixTree, SortedSequences, radix_tree
 
 Seqs = Sequence[Sequence[int]] | Sequence[npt.NDArray[np.integer]]
+
+
+def _sorted(seqs: Seqs | SortedSequences) -> SortedSequences:
+    return seqs if isinstance(seqs, SortedSequences) else SortedSequences.of(seqs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,22 +80,22 @@ class PrefixGroup:
         return len(self.members)
 
 
-def group_prefixes(seqs: Seqs, min_shared: int = 1) -> list[PrefixGroup]:
+def group_prefixes(seqs: Seqs | SortedSequences, min_shared: int = 1) -> list[PrefixGroup]:
     """Partition token sequences into prefix groups by BatchLLM's first-level enlargement.
 
     Every sequence is in exactly one group; the members of a group with two or more members
     share exactly their `prefix_len` >= `min_shared` leading tokens (their true longest common
     prefix). Sequences are lists of token ids or 1-D integer arrays (faster); ids must be in
     0..2**31-1. An empty input gives []. Cost: one sort of the sequences as bytes, numpy
-    comparisons over the shared tokens, and O(number of sequences) Python work.
+    comparisons over the shared tokens, and O(number of sequences) Python work; given a
+    `SortedSequences` (sorted and compared once for many calls), only the last.
     """
     min_shared = positive_int("min_shared", min_shared)
-    table = token_table(seqs)
-    n = table.num_seqs
+    sorted_seqs = _sorted(seqs)
+    n = sorted_seqs.num_seqs
     if n == 0:
         return []
-    order = sort_sequences(table)
-    lcp = neighbour_lcp(table, order)
+    order, lcp = sorted_seqs.order, sorted_seqs.lcp
     tree = radix_tree(lcp.tolist(), n)
     head = np.asarray(enlarge_first_level(tree, min_shared), dtype=np.int64)
 
@@ -133,7 +137,7 @@ def group_prefixes(seqs: Seqs, min_shared: int = 1) -> list[PrefixGroup]:
     return groups
 
 
-def prefix_forest(seqs: Seqs, min_shared: int = 1) -> list[PrefixGroup]:
+def prefix_forest(seqs: Seqs | SortedSequences, min_shared: int = 1) -> list[PrefixGroup]:
     """Nested prefix groups: every branching node of the radix tree, so each shared prefix is
     computed once at every level (a conversation's opening, then its earlier turns, ...).
 
@@ -147,19 +151,20 @@ def prefix_forest(seqs: Seqs, min_shared: int = 1) -> list[PrefixGroup]:
     must be computed to give the logits of its first output, so prefix_len < every member's
     length, and the forest computes every distinct proper prefix once plus each sequence's
     last token (optimal_saving_ratio exactly, unless a sequence equals or is a prefix of
-    another). Cost: group_prefixes' sort and LCP, then O(number of groups) numpy calls.
+    another). Cost: group_prefixes' sort and LCP (none given a `SortedSequences`), then
+    O(number of groups) numpy calls.
     """
     min_shared = positive_int("min_shared", min_shared)
-    table = token_table(seqs)
-    n = table.num_seqs
+    sorted_seqs = _sorted(seqs)
+    n = sorted_seqs.num_seqs
     if n < 2:
         return []
-    order = sort_sequences(table)
+    order, lengths = sorted_seqs.order, sorted_seqs.lengths
     # The full sequences' sorted order is also a sorted order of the sequences without their
     # last token (a sequence that ends at a node sorts first among those below it), so their
     # neighbour LCPs are the full ones capped at each side's length - 1.
-    shorter = np.minimum(table.lengths[order[:-1]], table.lengths[order[1:]])
-    lcp = np.minimum(neighbour_lcp(table, order), np.maximum(shorter - 1, 0))
+    shorter = np.minimum(lengths[order[:-1]], lengths[order[1:]])
+    lcp = np.minimum(sorted_seqs.lcp, np.maximum(shorter - 1, 0))
     tree = radix_tree(lcp.tolist(), n)
     depth = np.asarray(tree.depth, dtype=np.int64)
     lo = np.asarray(tree.lo, dtype=np.int64)
@@ -291,21 +296,20 @@ def saving_ratio(seqs: Seqs, groups: Sequence[PrefixGroup]) -> float:
     return 1.0 - processed / logical if logical else 0.0
 
 
-def optimal_saving_ratio(seqs: Seqs) -> float:
+def optimal_saving_ratio(seqs: Seqs | SortedSequences) -> float:
     """The best saving ratio any sharing scheme can reach: every distinct prefix computed once.
 
     Processed tokens are the nodes of the full token trie, total - sum of the LCPs of sorted
     neighbours, so the ratio is sum(LCP) / total. 0.0 when there are no tokens.
     """
-    table = token_table(seqs)
-    total = table.num_tokens
+    sorted_seqs = _sorted(seqs)
+    total = sorted_seqs.num_tokens
     if total == 0:
         return 0.0
-    lcp = neighbour_lcp(table, sort_sequences(table))
-    return float(lcp.sum()) / total
+    return float(sorted_seqs.lcp.sum()) / total
 
 
-def one_level_optimal_saving_ratio(seqs: Seqs) -> float:
+def one_level_optimal_saving_ratio(seqs: Seqs | SortedSequences) -> float:
     """The best saving ratio any one-level grouping can reach: a bound for group_prefixes.
 
     The maximum over all partitions of the rows into groups of sum (|g| - 1) * LCP(g), over
@@ -315,11 +319,11 @@ def one_level_optimal_saving_ratio(seqs: Seqs) -> float:
     optimal_saving_ratio, which computes every distinct prefix once. Costs O(nodes x tree
     height) Python work: meant for benchmarks and reports, not for the planner's hot path.
     """
-    table = token_table(seqs)
-    total, n = table.num_tokens, table.num_seqs
+    sorted_seqs = _sorted(seqs)
+    total, n = sorted_seqs.num_tokens, sorted_seqs.num_seqs
     if total == 0 or n < 2:
         return 0.0
-    tree = radix_tree(neighbour_lcp(table, sort_sequences(table)).tolist(), n)
+    tree = radix_tree(sorted_seqs.lcp.tolist(), n)
     depth, kids = tree.depth, tree.children()
     own = [tree.hi[v] - tree.lo[v] + 1 for v in range(len(depth))]
     for v in range(1, len(depth)):

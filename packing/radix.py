@@ -147,6 +147,63 @@ def neighbour_lcp(table: TokenTable, order: IntArray) -> IntArray:
 
 
 @dataclass(frozen=True)
+class SortedSequences:
+    """Sequences in lexicographic order with their sorted neighbours' LCPs: all a radix tree
+    over them, or over any subset of them (`subset`), needs, so a planner sorts and compares
+    a partition's tokens once and derives each bucket's and each shard's tree from that.
+
+    Made by `of`; `group_prefixes`, `prefix_forest` and `optimal_saving_ratio` take one in
+    place of the sequences themselves.
+    """
+
+    lengths: IntArray  # [n] tokens of each sequence
+    order: IntArray  # [n] sequence indices in lexicographic order, equal ones by index
+    lcp: IntArray  # [n - 1] common prefix of sorted neighbours order[i] and order[i + 1]
+
+    @classmethod
+    def of(
+        cls, seqs: Sequence[Sequence[int]] | Sequence[npt.NDArray[np.integer]]
+    ) -> SortedSequences:
+        """Validate, sort and compare `seqs` (token id lists or 1-D integer arrays)."""
+        table = token_table(seqs)
+        order = sort_sequences(table)
+        return cls(table.lengths, order, neighbour_lcp(table, order))
+
+    @property
+    def num_seqs(self) -> int:
+        """How many sequences there are."""
+        return int(self.lengths.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens over all sequences."""
+        return int(self.lengths.sum())
+
+    def subset(self, rows: Sequence[int] | IntArray) -> SortedSequences:
+        """Sequences rows[0], rows[1], ... (distinct indices into these, any order) as
+        `of([seqs[r] for r in rows])` would give them, without touching a token: the subset's
+        sorted order is the sorted order restricted to it, and the LCP of two sequences is
+        the minimum of the neighbour LCPs between their sorted positions."""
+        picked = np.asarray(rows, dtype=np.int64).reshape(-1)
+        n = picked.shape[0]
+        rank = np.empty(self.num_seqs, dtype=np.int64)
+        rank[self.order] = np.arange(self.num_seqs)
+        position = rank[picked]
+        local = np.argsort(position, kind="stable")  # subset indices in sorted order
+        sorted_position = position[local]
+        lcp = np.zeros(max(n - 1, 0), dtype=np.int64)
+        if n >= 2:
+            spans = np.stack([sorted_position[:-1], sorted_position[1:]], axis=1).ravel()
+            lcp = np.minimum.reduceat(np.append(self.lcp, 0), spans)[::2]
+        lengths = self.lengths[picked]
+        # Equal sequences sort by index: by the subset's own, as a fresh sort would do.
+        equal = (lcp == lengths[local[:-1]]) & (lcp == lengths[local[1:]])
+        run = np.concatenate([[0], np.cumsum(~equal)]) if n else np.zeros(0, dtype=np.int64)
+        local = local[np.lexsort((local, run))]
+        return SortedSequences(lengths, local, lcp)
+
+
+@dataclass(frozen=True)
 class RadixTree:
     """Internal nodes of the radix tree over the sorted sequences (node 0 is the root).
 

@@ -1,14 +1,16 @@
 """The planner: prefix groups inside one shuffle partition, their order, and shards.
 
 After the shuffle by prefix key, every row that can share a prefix with another is in the
-same partition. Here each key's rows go through `packing.group_prefixes`, the groups are
+same partition. The partition's valid rows are sorted and compared once
+(`packing.SortedSequences`); each key's rows go through `packing.group_prefixes` on their
+part of that, the groups are
 ordered by `packing.order_groups`, and cut into shards: whole groups up to a row and token
 limit, so a group is never split between engine actors, unless it alone is over the limit,
 when its parts each repeat the prefix (logged). Rows without a shared prefix are packed into
 the same shards, so the engine always sees many sequences at once.
 
 Inside a shard the engine gets `packing.prefix_forest`'s nested groups over the shard's rows
-(PlanConfig.nested): what the first-level groups share, and also what they share with each
+(PlanConfig.nested; the shard's part of the same sorted rows): what the first-level groups share, and also what they share with each
 other (a common opening) and what members share beyond their group's prefix.
 
 The output is one row per shard with list columns (the members in shard order), the
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from actors.config import SamplingParams
-from packing import PrefixGroup
+from packing import PrefixGroup, SortedSequences
 from pipeline import dedupe, stage
 from pipeline.config import PlanConfig
 from pipeline.dedupe import DEDUPE_KEY
@@ -70,11 +72,16 @@ class PlanStats:
 
 
 def group_rows(
-    token_ids: Sequence[Sequence[int]], keys: Sequence[int | None], grouping: bool
+    token_ids: Sequence[Sequence[int]],
+    keys: Sequence[int | None],
+    grouping: bool,
+    index: SortedSequences | None = None,
 ) -> list[PrefixGroup]:
     """Prefix groups over valid rows: `packing.group_prefixes` (BatchLLM's first-level
     enlargement) inside each prefix key; rows with no key (or with grouping off) are groups
-    of one. Rows are indices into `token_ids`."""
+    of one. Rows are indices into `token_ids`; `index` is them sorted once
+    (`SortedSequences.of(token_ids)`; made here when a key has two rows and none is given),
+    each key's tree built from its part of it."""
     from packing import group_prefixes
 
     by_key: dict[int, list[int]] = {}
@@ -88,8 +95,10 @@ def group_rows(
         if len(members) == 1:
             groups.append(PrefixGroup(0, (members[0],)))
             continue
+        if index is None:
+            index = SortedSequences.of(token_ids)
         # Every row of the bucket comes back in exactly one group (one-member groups share 0).
-        for g in group_prefixes([token_ids[i] for i in members]):
+        for g in group_prefixes(index.subset(members)):
             groups.append(PrefixGroup(g.prefix_len, tuple(members[m] for m in g.members)))
     return groups
 
@@ -191,8 +200,13 @@ def plan_partition(
     keys = table.column(stage.PREFIX_KEY).to_pylist()
     decode = _decode_lens(table.column(stage.SAMPLING).to_pylist(), sampling)
 
+    # The radix tree's sort and LCPs, once per partition: the buckets', the shards' and the
+    # optimum's trees come from it (`SortedSequences.subset`).
+    index = None
+    if config.prefix_grouping and len(valid) > 1:
+        index = SortedSequences.of([token_ids[i] for i in valid])
     groups = group_rows(
-        [token_ids[i] for i in valid], [keys[i] for i in valid], config.prefix_grouping
+        [token_ids[i] for i in valid], [keys[i] for i in valid], config.prefix_grouping, index
     )
     groups = [PrefixGroup(g.prefix_len, tuple(valid[r] for r in g.members)) for g in groups]
     if config.prefix_grouping:
@@ -209,6 +223,7 @@ def plan_partition(
     stats.prompt_tokens = sum(lens[i] for i in valid)
     stats.num_shards = len(shards)
     shard_groups = []
+    valid_index = {row: i for i, row in enumerate(valid)}
     for shard in shards:
         rows = [r for g in shard for r in g.members]
         if errors[rows[0]] is not None:  # an error shard: nothing runs
@@ -216,19 +231,26 @@ def plan_partition(
             continue
         for g in shard:
             stats.share_degrees[len(g.members)] += 1
-        groups = shard_prefix_groups(shard, [token_ids[r] for r in rows], config)
+        shard_tokens = [token_ids[r] for r in rows]
+        sorted_rows: Sequence[Sequence[int]] | SortedSequences = shard_tokens
+        if index is not None and config.nested:  # the forest's tree: the shard's part of it
+            sorted_rows = index.subset([valid_index[r] for r in rows])
+        groups = shard_prefix_groups(shard, sorted_rows, config)
         shard_groups.append(groups)
-        stats.planned_saved_tokens += saved_tokens([token_ids[r] for r in rows], groups)
-    if config.prefix_grouping and len(valid) > 1:
-        stats.optimal_saved_tokens = optimal_saved_tokens([token_ids[i] for i in valid])
+        stats.planned_saved_tokens += saved_tokens(shard_tokens, groups)
+    if index is not None:
+        stats.optimal_saved_tokens = optimal_saved_tokens(index)
     return _shard_table(table, shards, shard_groups, keep_columns), stats
 
 
 def shard_prefix_groups(
-    shard: Sequence[PrefixGroup], token_ids: Sequence[Sequence[int]], config: PlanConfig
-) -> list:
+    shard: Sequence[PrefixGroup],
+    token_ids: Sequence[Sequence[int]] | SortedSequences,
+    config: PlanConfig,
+) -> list[PrefixGroup]:
     """The engine's prefix groups over one shard's rows (indices in shard order): nested
-    (`packing.prefix_forest`) when configured, else the shard's first-level groups."""
+    (`packing.prefix_forest`, over `token_ids`: the rows' tokens or their part of the
+    partition's sorted rows) when configured, else the shard's first-level groups."""
     from packing.prefix import prefix_forest
 
     if config.prefix_grouping and config.nested:
@@ -249,12 +271,11 @@ def saved_tokens(token_ids: Sequence[Sequence[int]], groups: Sequence) -> int:
     return round(saving_ratio(token_ids, groups) * total) if groups else 0
 
 
-def optimal_saved_tokens(token_ids: Sequence[Sequence[int]]) -> int:
+def optimal_saved_tokens(rows: SortedSequences) -> int:
     """Prompt tokens the best possible prefix sharing saves on these rows (packing's optimum)."""
     from packing import optimal_saving_ratio
 
-    total = sum(len(t) for t in token_ids)
-    return round(optimal_saving_ratio(list(token_ids)) * total)
+    return round(optimal_saving_ratio(rows) * rows.num_tokens)
 
 
 def token_arrays(column: pa.ChunkedArray | pa.ListArray) -> list:
