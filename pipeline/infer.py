@@ -24,15 +24,16 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pyarrow as pa
 
 from actors.config import EngineConfig, SamplingParams
 from actors.outputs import RequestOutput
 from actors.parallel.executor import WorkerFailedError
-from pipeline import stage
+from pipeline import group_columns, stage
 from pipeline.feed import EngineFeed
+from pipeline.group_columns import ShardGroups
 from pipeline.logs import setup_worker_logging
 from pipeline.prompts import merge_sampling
 from pipeline.stage import Stage
@@ -109,10 +110,7 @@ class InferStage(Stage):
             stage.NUM_PROMPT_TOKENS,
             stage.SAMPLING,
             stage.ERROR,
-            stage.GROUP_SIZES,
-            stage.PREFIX_GROUP_MEMBERS,
-            stage.PREFIX_GROUP_PREFIX_LENS,
-            stage.PREFIX_GROUP_PARENTS,
+            *group_columns.COLUMNS,
         )
 
     def column_help(self) -> dict[str, str]:
@@ -120,7 +118,7 @@ class InferStage(Stage):
 
     def process(self, batch: pa.Table) -> pa.Table:
         if batch.num_rows == 0:  # keep the kept columns' types in the empty result
-            return self._rows(batch, "", _Members.of(batch), [], _Layout([], []))
+            return self._rows(batch, "", _Members.of(batch), [], ShardGroups())
         return pa.concat_tables([self.run_shard(batch.slice(i, 1)) for i in range(batch.num_rows)])
 
     def run_shard(self, shard: pa.Table) -> pa.Table:
@@ -128,7 +126,13 @@ class InferStage(Stage):
         shard_id = shard.column(stage.SHARD)[0].as_py()
         members = _Members.of(shard)
         runnable = [i for i, e in enumerate(members.errors) if e is None]
-        layout = _Layout.of(shard, members, runnable)
+        groups = group_columns.read_groups(shard)
+        assert groups.num_rows == len(members.ids), (
+            f"groups cover {groups.num_rows} of {len(members.ids)} rows"
+        )
+        # The planner puts rows with an error in shards of their own, so in a shard with
+        # groups every row reaches the engine and shard row i is prompt i.
+        assert len(runnable) == len(members.ids) or not groups.engine
         outputs: list[RequestOutput | None] = [None] * len(members.ids)
         started = time.perf_counter()
         if runnable:
@@ -138,7 +142,7 @@ class InferStage(Stage):
                 for i in runnable
             ]
             try:
-                results = self._generate(shard_id, prompts, params, layout.prefix_groups)
+                results = self._generate(shard_id, prompts, params, list(groups.engine))
             except WorkerFailedError:
                 raise  # retries spent: fail the job with the cause, lose no rows silently
             except Exception as exc:  # an engine bug must not lose the other shards' work
@@ -148,8 +152,8 @@ class InferStage(Stage):
             else:
                 for i, out in zip(runnable, results, strict=True):
                     outputs[i] = out
-        table = self._rows(shard, shard_id, members, outputs, layout)
-        self._log(shard_id, table, len(layout.prefix_groups), time.perf_counter() - started)
+        table = self._rows(shard, shard_id, members, outputs, groups)
+        self._log(shard_id, table, len(groups.engine), time.perf_counter() - started)
         return table
 
     def _rows(
@@ -158,7 +162,7 @@ class InferStage(Stage):
         shard_id: str,
         members: _Members,
         outputs: list[RequestOutput | None],
-        layout: _Layout,
+        groups: ShardGroups,
     ) -> pa.Table:
         n = len(members.ids)
         errors, num_prompt = members.errors, list(members.num_prompt_tokens)
@@ -190,9 +194,9 @@ class InferStage(Stage):
                 stage.ERROR: pa.array(errors, pa.string()),
                 stage.SHARD: pa.array([shard_id] * n, pa.string()),
                 stage.PREFIX_GROUP: pa.array(
-                    [f"{shard_id}/{g}" for g in layout.group_of], pa.string()
+                    [f"{shard_id}/{g}" for g in groups.first_level_of_rows()], pa.string()
                 ),
-                stage.SHARED_PREFIX_LEN: pa.array(layout.shared_len, pa.int32()),
+                stage.SHARED_PREFIX_LEN: pa.array(groups.shared_prefix_lens(), pa.int32()),
             }
         )
         return pa.table(columns)
@@ -248,41 +252,3 @@ class _Members:
         if shard.num_rows == 0:
             return cls([], [], [], [], [])
         return cls(*(list(shard.column(name)[0].as_py()) for name in names))
-
-
-@dataclass
-class _Layout:
-    """A shard's groups: each member's first-level group and the prompt tokens a shared
-    prefix computes for it, and the engine's (possibly nested) PrefixGroups over the prompt
-    list."""
-
-    group_of: list[int]
-    shared_len: list[int]
-    prefix_groups: list = field(default_factory=list)  # list[packing.PrefixGroup]
-
-    @classmethod
-    def of(cls, shard: pa.Table, members: _Members, runnable: list[int]) -> _Layout:
-        """Read a shard row's `group_*` and `prefix_group_*` columns."""
-        from packing import PrefixGroup
-
-        n = len(members.ids)
-        layout = cls([], [0] * n)
-        for g, size in enumerate(shard.column(stage.GROUP_SIZES)[0].as_py()):
-            layout.group_of.extend([g] * size)
-        assert len(layout.group_of) == n, f"groups cover {len(layout.group_of)} of {n} rows"
-        groups = zip(
-            shard.column(stage.PREFIX_GROUP_MEMBERS)[0].as_py(),
-            shard.column(stage.PREFIX_GROUP_PREFIX_LENS)[0].as_py(),
-            shard.column(stage.PREFIX_GROUP_PARENTS)[0].as_py(),
-            strict=True,
-        )
-        # The planner puts rows with an error in shards of their own, so in a shard with
-        # groups every row reaches the engine and shard row i is prompt i.
-        assert len(runnable) == n or not shard.column(stage.PREFIX_GROUP_MEMBERS)[0].as_py()
-        for rows, prefix_len, parent in groups:
-            layout.prefix_groups.append(
-                PrefixGroup(prefix_len, tuple(rows), None if parent < 0 else parent)
-            )
-            for r in rows:  # parents come first, so the deepest group is seen last
-                layout.shared_len[r] = prefix_len
-        return layout

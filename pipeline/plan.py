@@ -14,9 +14,9 @@ Inside a shard the engine gets `packing.prefix_forest`'s nested groups over the 
 other (a common opening) and what members share beyond their group's prefix.
 
 The output is one row per shard with list columns (the members in shard order), the
-first-level groups (`group_sizes`, `group_prefix_lens`) and the engine's groups
-(`prefix_group_*`); the engine actor consumes whole shard rows, so batching cannot cut a
-group either.
+first-level groups and the engine's groups (`pipeline/group_columns.py` writes them, the
+engine actor reads them back there); the engine actor consumes whole shard rows, so
+batching cannot cut a group either.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from packing import PrefixGroup, SortedSequences
 from pipeline import dedupe, stage
 from pipeline.config import PlanConfig
 from pipeline.dedupe import DEDUPE_KEY
+from pipeline.group_columns import ShardGroups, group_columns
 from pipeline.logs import setup_worker_logging
 from pipeline.stage import Stage
 
@@ -299,7 +300,7 @@ def _decode_lens(sampling: Sequence[str | None], defaults: SamplingParams) -> li
 def _shard_table(
     table: pa.Table,
     shards: Sequence[Sequence[PrefixGroup]],
-    shard_groups: Sequence[Sequence],
+    shard_groups: Sequence[Sequence[PrefixGroup]],
     keep_columns: Sequence[str],
 ) -> pa.Table:
     order_ = [r for shard in shards for g in shard for r in g.members]
@@ -324,22 +325,10 @@ def _shard_table(
     ):
         values = taken.column(name).combine_chunks()
         columns[name] = pa.ListArray.from_arrays(offsets_arr, values)
-    columns[stage.GROUP_SIZES] = pa.array(
-        [[len(g.members) for g in shard] for shard in shards], pa.list_(pa.int32())
-    )
-    columns[stage.GROUP_PREFIX_LENS] = pa.array(
-        [[g.prefix_len for g in shard] for shard in shards], pa.list_(pa.int32())
-    )
-    columns[stage.PREFIX_GROUP_MEMBERS] = pa.array(
-        [[list(g.members) for g in groups] for groups in shard_groups],
-        pa.list_(pa.list_(pa.int32())),
-    )
-    columns[stage.PREFIX_GROUP_PREFIX_LENS] = pa.array(
-        [[g.prefix_len for g in groups] for groups in shard_groups], pa.list_(pa.int32())
-    )
-    columns[stage.PREFIX_GROUP_PARENTS] = pa.array(
-        [[-1 if g.parent is None else g.parent for g in groups] for groups in shard_groups],
-        pa.list_(pa.int32()),
+    columns.update(
+        group_columns(
+            [ShardGroups(shard, groups) for shard, groups in zip(shards, shard_groups, strict=True)]
+        )
     )
     return pa.table(columns)
 
