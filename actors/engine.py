@@ -21,7 +21,7 @@ from actors.detokenizer import Detokenizer
 from actors.model_runner import ModelRunner, StepRunner
 from actors.outputs import FinishReason, RequestOutput, TokenLogprob
 from actors.prefix_sharing import plan_groups, planned_order
-from actors.request import PrefixGroupState, Request, RequestStatus
+from actors.request import Request, RequestStatus, SharedPrefixState
 from actors.sampler import Sampler
 from actors.scheduler import SchedulerOutput
 from actors.stats import EngineStats, StepStats
@@ -332,7 +332,7 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None,
         request_id: str | None,
-        group: PrefixGroupState | None,
+        group: SharedPrefixState | None,
     ) -> Request:
         """Queue a request, or finish it at once with an error: a prompt that cannot run, or
         anything that raises while the request is built (only this request fails)."""

@@ -2,9 +2,10 @@
 
 The planner (`packing.prefix`) names prompts that share their first `prefix_len` tokens;
 groups may nest (`PrefixGroup.parent`). Here each group that will really share (two or more
-members that can run) gets an internal prefix request (`PrefixGroupState`), each prompt
-joins its deepest such group, and the prompts are queued so a group's members run together
-(depth first), which keeps a shared prefix's blocks alive for as short a time as possible.
+members that can run) gets an internal prefix request and its runtime state
+(`actors.request.SharedPrefixState`), each prompt joins its deepest such group, and the
+prompts are queued so a group's members run together (depth first), which keeps a shared
+prefix's blocks alive for as short a time as possible.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from actors.config import SamplingParams
-from actors.request import PrefixGroupState, Request
+from actors.request import Request, SharedPrefixState
 
 if TYPE_CHECKING:
     from packing.prefix import PrefixGroup
@@ -53,7 +54,7 @@ def plan_groups(
     groups: Sequence[PrefixGroup],
     runnable: Callable[[list[int]], bool],
     new_id: Callable[[], str],
-) -> dict[int, PrefixGroupState]:
+) -> dict[int, SharedPrefixState]:
     """Validate prefix groups and create each one's internal prefix request (its id from
     `new_id`); returns the deepest group of every grouped prompt. `runnable(prompt)` is
     False for a prompt that will end in an error row instead of running."""
@@ -61,7 +62,7 @@ def plan_groups(
     # A group shares only when >= 2 of its members can run (prompts that will end in an
     # error row do not wait for a prefix); the others' rows fall to the nearest one above.
     members_that_run = [[m for m in group.members if runnable(token_ids[m])] for group in groups]
-    nearest: list[PrefixGroupState | None] = []  # per group: itself or the sharing one above
+    nearest: list[SharedPrefixState | None] = []  # per group: itself or the sharing one above
     for g, group in enumerate(groups):
         above = nearest[group.parent] if group.parent is not None else None
         if len(members_that_run[g]) < 2 or group.prefix_len < 1:
@@ -69,12 +70,12 @@ def plan_groups(
             continue
         prefix = token_ids[group.members[0]][: group.prefix_len]
         prefix_req = Request(new_id(), prefix, SamplingParams(), is_prefix=True)
-        state = PrefixGroupState(prefix=prefix_req, num_unfinished_members=0, parent=above)
+        state = SharedPrefixState(prefix=prefix_req, num_unfinished_members=0, parent=above)
         prefix_req.group = state
         if above is not None:
             above.num_unfinished_members += 1  # the nested prefix is a member of its parent
         nearest.append(state)
-    of_prompt: dict[int, PrefixGroupState] = {}
+    of_prompt: dict[int, SharedPrefixState] = {}
     for m, g in deepest.items():
         shared = nearest[g]
         if shared is not None and runnable(token_ids[m]):

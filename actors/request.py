@@ -26,9 +26,10 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(eq=False)
-class PrefixGroupState:
-    """A prefix group inside the engine: the internal request that computes the shared
-    prefix once, and how many members still need its blocks.
+class SharedPrefixState:
+    """The engine's runtime state of one `packing.PrefixGroup` that shares: the internal
+    request that computes the shared prefix once, and how many members still need its
+    blocks (`Request.group` points here).
 
     Groups nest: a group with a `parent` has its prefix request as a member of the parent
     (it starts from the parent's blocks and computes only its own extra tokens), and counts
@@ -37,10 +38,10 @@ class PrefixGroupState:
 
     prefix: Request
     num_unfinished_members: int  # prompts and child groups that still need the blocks
-    parent: PrefixGroupState | None = None
+    parent: SharedPrefixState | None = None
 
     @property
-    def root(self) -> PrefixGroupState:
+    def root(self) -> SharedPrefixState:
         """The outermost enclosing group (the whole tree lives on one KV pool)."""
         group = self
         while group.parent is not None:
@@ -66,7 +67,7 @@ class Request:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     is_prefix: bool = False
-    group: PrefixGroupState | None = None
+    group: SharedPrefixState | None = None  # its prefix group's state (a prefix request: its own)
     token_ids: list[int] = field(init=False)  # prompt + generated, the sequence itself
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the cache; -1 until admitted
@@ -95,7 +96,7 @@ class Request:
             self.logprobs = []
 
     @property
-    def member_of(self) -> PrefixGroupState | None:
+    def member_of(self) -> SharedPrefixState | None:
         """The group whose computed prefix starts this request's block table: its own group
         for a member, the enclosing group for a nested group's prefix request."""
         if self.group is None:

@@ -182,12 +182,12 @@ def test_pipelined_sets_keep_a_nested_tree_together() -> None:
     """pp > 1 splits requests into sets with their own KV pools: a nested group's prefix and
     members must land in its root group's set, and leave no routing entry behind."""
     from actors.config import EngineConfig
-    from actors.request import PrefixGroupState, Request
+    from actors.request import Request, SharedPrefixState
     from actors.virtual_schedulers import VirtualSchedulers
 
-    def prefix(tokens: list[int], parent: PrefixGroupState | None) -> PrefixGroupState:
+    def prefix(tokens: list[int], parent: SharedPrefixState | None) -> SharedPrefixState:
         req = Request(f"prefix-{len(tokens)}", tokens, SamplingParams(), is_prefix=True)
-        req.group = PrefixGroupState(req, num_unfinished_members=1, parent=parent)
+        req.group = SharedPrefixState(req, num_unfinished_members=1, parent=parent)
         return req.group
 
     sets = VirtualSchedulers(EngineConfig(), blocks_per_set=64, count=2)

@@ -6,7 +6,7 @@ import pytest
 
 from actors import EngineConfig, SamplingParams
 from actors.kv_cache import KVCacheManager
-from actors.request import PrefixGroupState, Request, RequestStatus
+from actors.request import Request, RequestStatus, SharedPrefixState
 from actors.scheduler import Scheduler, SchedulerOutput
 
 
@@ -78,7 +78,7 @@ def test_preemption_frees_the_newest_and_recomputes_it() -> None:
 def test_prefix_group_members_wait_then_share_blocks_and_copy_the_partial_one() -> None:
     s = make(max_num_batched_tokens=100)
     prefix = Request("p", list(range(10)), SamplingParams(), is_prefix=True)
-    group = PrefixGroupState(prefix=prefix, num_unfinished_members=2)
+    group = SharedPrefixState(prefix=prefix, num_unfinished_members=2)
     prefix.group = group
     m1 = Request("m1", list(range(10)) + [50, 51, 52], SamplingParams(), group=group)
     m2 = Request("m2", list(range(10)) + [60], SamplingParams(), group=group)
