@@ -1,9 +1,10 @@
 """House rules a reviewer would otherwise check by hand: no import circles among our packages
-(jobs -> pipeline -> actors -> packing, benchmarks on top)."""
+(jobs -> pipeline -> actors -> packing, benchmarks on top), one prefix-group type."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,3 +105,45 @@ def test_packages_never_import_benchmarks() -> None:
         if t.startswith("benchmarks.")
     ]
     assert wrong == []
+
+
+# A class named like a prefix group: "prefix" and "group" in either order (PrefixGroupState),
+# or a name ending in a single Group (PlannedGroup); a collection (ShardGroups) is not one.
+GROUP_LIKE = re.compile(r"(?i)prefix\w*group|group\w*prefix|^\w*Group$")
+
+
+def group_like_classes(packages: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(file, class) for every class named like a prefix group or holding a prefix group's
+    fields (`prefix_len` or `members` annotated in its body)."""
+    found = []
+    for path, tree in _trees(packages):
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            fields = {
+                s.target.id
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
+            if GROUP_LIKE.search(node.name) or fields & {"prefix_len", "members"}:
+                found.append((path.relative_to(ROOT).as_posix(), node.name))
+    return found
+
+
+def _trees(packages: tuple[str, ...]) -> list[tuple[Path, ast.Module]]:
+    paths = [p for package in packages for p in sorted((ROOT / package).rglob("*.py"))]
+    return [(p, ast.parse(p.read_text(), str(p))) for p in paths]
+
+
+def test_the_group_finder_knows_the_old_shapes() -> None:
+    names = ["PrefixGroup", "PrefixGroupState", "PlannedGroup", "GroupOfPrefixes"]
+    assert all(GROUP_LIKE.search(n) for n in names)
+    assert not any(GROUP_LIKE.search(n) for n in ["ShardGroups", "SharedPrefixState", "Stage"])
+
+
+def test_one_prefix_group_type() -> None:
+    """A group of prompts that share a prefix has one type, `packing.PrefixGroup`, across the
+    packages (issue 12 item 3); the engine's runtime state of one is `SharedPrefixState`."""
+    assert group_like_classes(("packing", "pipeline", "actors")) == [
+        ("packing/prefix.py", "PrefixGroup")
+    ]
