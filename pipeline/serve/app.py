@@ -2,8 +2,9 @@
 
 `build_app(config)` gives a Serve application; `serve.run(build_app(config))` serves
 POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-POST /tokenize, POST /detokenize (vLLM's shapes, pipeline/serve/tokens.py) and GET /health,
-each response naming its replica (`x-raypack-replica`). `build_app` is also Ray Serve's app
+POST /tokenize, POST /detokenize (vLLM's shapes, pipeline/serve/tokens.py), GET /health and
+GET /metrics (Prometheus text of all the app's replicas, pipeline/serve/snapshots.py), each
+response naming its replica (`x-raypack-replica`). `build_app` is also Ray Serve's app
 builder (`serve run pipeline.serve:build_app model=... num_replicas=2`).
 The FastAPI app is built per replica (`__serve_build_asgi_app__`), around that replica's engine,
 so nothing lives at module level.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,11 +31,12 @@ from pipeline.serve.config import ServeConfig
 from pipeline.serve.errors import APIError
 from pipeline.serve.front import PrefixFront, run_asgi
 from pipeline.serve.guard import GuardMiddleware, guard_limits
-from pipeline.serve.metrics import ServeMetrics
+from pipeline.serve.metrics import ServeMetrics, app_snapshots
 from pipeline.serve.protocol import HealthResponse
 from pipeline.serve.replicas import ReplicaHeader, Scope
 from pipeline.serve.router import PrefixAffinityRouter, RoutedRequest
 from pipeline.serve.service import OpenAIService, Prepared
+from pipeline.serve.snapshots import ReplicaSnapshot, render
 from pipeline.serve.staging import EngineLoop
 from pipeline.serve.tokens import detokenize, model_card, tokenize
 
@@ -47,8 +49,17 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = None) -> FastAPI:
-    """The FastAPI app over one service. `metrics` (a ServeMetrics) counts rejected requests."""
+Snapshots = Callable[[], Awaitable[list[ReplicaSnapshot]]]
+
+
+def create_api(
+    service: OpenAIService,
+    api_keys: frozenset[str],
+    metrics: Any = None,
+    snapshots: Snapshots | None = None,
+) -> FastAPI:
+    """The FastAPI app over one service. `metrics` (a ServeMetrics) counts rejected requests;
+    `snapshots` gives the replicas' metrics GET /metrics renders (no /metrics without it)."""
     api = FastAPI(
         title="raypack", summary="OpenAI-compatible serving", docs_url=None, redoc_url=None
     )
@@ -93,6 +104,14 @@ def create_api(service: OpenAIService, api_keys: frozenset[str], metrics: Any = 
             threshold=service.loop.controller.threshold,
             aborted=service.loop.num_aborted,
         )
+
+    if snapshots is not None:
+
+        @api.get("/metrics")
+        async def metrics_route(request: Request) -> Response:
+            # no API key, as /health (and vLLM's /metrics)
+            body, content_type = render(await snapshots(), request.headers.get("accept", ""))
+            return Response(body, media_type=content_type)
 
     @api.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -166,6 +185,8 @@ class OpenAIDeployment:
         self._admission = config.admission
         self._loop: EngineLoop | None = None
         self._api: FastAPI | None = None
+        self._replica = ""
+        self._siblings: Any = None  # this deployment's handle, for /metrics without a front
         logger.info("serving %s (max_model_len %d)", config.model_name, self._engine.max_model_len)
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
@@ -186,10 +207,10 @@ class OpenAIDeployment:
             self._engine.max_model_len,
             self._engine.vocab_size,
         )
-        api = create_api(service, self._api_keys, self._metrics)
+        api = create_api(service, self._api_keys, self._metrics, self._app_snapshots)
         # outermost: even the guard's own 4xx name the replica that answered
-        replica = serve.get_replica_context().replica_id.unique_id
-        api.add_middleware(ReplicaHeader, replica=replica)  # type: ignore[arg-type]
+        self._replica = serve.get_replica_context().replica_id.unique_id
+        api.add_middleware(ReplicaHeader, replica=self._replica)  # type: ignore[arg-type]
         self._api = api
         return api
 
@@ -200,6 +221,34 @@ class OpenAIDeployment:
             raise RuntimeError("the replica's API is not built yet")
         async for message in run_asgi(self._api, request):
             yield message
+
+    async def metrics_snapshot(self) -> ReplicaSnapshot:
+        """This replica's metrics now (GET /metrics merges those of every replica)."""
+        if self._loop is None:
+            raise RuntimeError("the replica's engine loop is not started yet")
+        kvs = self._engine.scheduler.kvs
+        blocks = sum(kv.num_blocks for kv in kvs)
+        used = sum(kv.num_blocks - kv.num_free_blocks for kv in kvs)
+        return self._metrics.recorder.snapshot(
+            self._replica,
+            self._config.model_name,
+            running=self._loop.num_running,
+            waiting=self._loop.num_waiting,
+            kv_usage=used / blocks if blocks else 0.0,
+            kv_blocks=blocks,
+            num_preemptions=self._engine.stats.num_preemptions,
+        )
+
+    async def _app_snapshots(self) -> list[ReplicaSnapshot]:
+        """What this replica's /metrics renders: its own snapshot when the app has one replica,
+        else every replica's through this deployment's handle (with a front, the front answers
+        /metrics itself the same way)."""
+        if self._config.replicas.highest == 1:
+            return [await self.metrics_snapshot()]
+        if self._siblings is None:
+            context = serve.get_replica_context()
+            self._siblings = serve.get_deployment_handle(context.deployment, context.app_name)
+        return await app_snapshots(self._siblings)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's user_config hook: `{"admission": {AdmissionConfig fields}}` switches the

@@ -10,13 +10,17 @@ all with a 429, generic 500s), keyed on the client address Serve's proxy puts in
 scope, so slow senders are bounded where they are held; only whole bodies go on. The replica's
 API still does all checking (keys, request limits, its own guard on what the front passes on).
 /health goes on to a replica like any request (its answer is that replica's engine state); it
-never enters an engine's staging queue and is never capped per client.
+never enters an engine's staging queue and is never capped per client. GET /metrics is answered
+by the front itself: every engine replica's snapshot (Serve's broadcast on the engine handle,
+one call per replica) merged and rendered as Prometheus text (pipeline/serve/snapshots.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
@@ -24,12 +28,17 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.serve.guard import GuardLimits, GuardMiddleware
+from pipeline.serve.guard import GuardLimits, GuardMiddleware, send_json
+from pipeline.serve.metrics import app_snapshots
 from pipeline.serve.replicas import Receive, Scope, Send
 from pipeline.serve.router import RoutedRequest, prefix_hashes, routing_text
+from pipeline.serve.snapshots import ReplicaSnapshot, render
+
+logger = logging.getLogger(__name__)
 
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Forward = Callable[[RoutedRequest], AsyncIterator[Scope]]
+Snapshots = Callable[[], Awaitable[list[ReplicaSnapshot]]]
 # The ASGI scope keys a replica's API needs (what Serve's proxy gives, minus local objects).
 SCOPE_KEYS = (
     "type",
@@ -113,10 +122,11 @@ async def run_asgi(app: ASGIApp, request: RoutedRequest) -> AsyncIterator[Scope]
                 await task
 
 
-def front_app(forward: Forward, limits: GuardLimits) -> GuardMiddleware:
+def front_app(forward: Forward, limits: GuardLimits, snapshots: Snapshots | None = None) -> ASGIApp:
     """The front's ASGI app: the guard reads each body under `limits`, then the request, keyed
     by its prefix, goes to `forward` (the engine replicas' handle) and the ASGI messages it
-    yields are sent on as they come."""
+    yields are sent on as they come. With `snapshots` (every replica's metrics), GET /metrics
+    is answered here."""
 
     async def pass_on(scope: Scope, receive: Receive, send: Send) -> None:
         # the guard has read the body (a request without one: the proxy's empty message)
@@ -131,13 +141,46 @@ def front_app(forward: Forward, limits: GuardLimits) -> GuardMiddleware:
         async for message in forward(routed):
             await send(message)
 
-    return GuardMiddleware(pass_on, limits)
+    guarded = cast(ASGIApp, GuardMiddleware(pass_on, limits))
+    if snapshots is None:
+        return guarded
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET" and _path(scope) == "/metrics":
+            await send_metrics(snapshots, scope, send)
+        else:
+            await guarded(scope, receive, send)
+
+    return app
+
+
+def _path(scope: Scope) -> str:
+    """The path within the app (Serve's proxy keeps the route prefix in `path` and puts it in
+    `root_path` too)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return str(path[len(root) :] if root and path.startswith(root) else path)
+
+
+async def send_metrics(snapshots: Snapshots, scope: Scope, send: Send) -> None:
+    """Answer GET /metrics: the replicas' snapshots rendered as the client's `accept` asks
+    (Prometheus text by default); 503 when they cannot be had."""
+    accept = dict(scope.get("headers") or ()).get(b"accept", b"").decode("latin-1")
+    try:
+        body, content_type = render(await snapshots(), accept)
+    except Exception as exc:  # noqa: BLE001 (a scrape fails, the front goes on)
+        logger.warning("GET /metrics failed: %r", exc)
+        message = "the replicas' metrics could not be collected"
+        await send_json(send, 503, {"error": {"message": message, "type": "server_error"}})
+        return
+    headers = [(b"content-type", content_type.encode()), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 class _Served(Response):
     """A response that runs the front's ASGI app on the request Serve gave it."""
 
-    def __init__(self, app: GuardMiddleware) -> None:  # no body of its own
+    def __init__(self, app: ASGIApp) -> None:  # no body of its own
         self._app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -153,7 +196,7 @@ class PrefixFront:
     def __init__(self, engine: Any, limits: GuardLimits) -> None:
         # `engine`: the engine deployment's handle (Serve passes the bound app as one)
         handle = engine.options(method_name="routed", stream=True)
-        self._app = front_app(handle.remote, limits)
+        self._app = front_app(handle.remote, limits, functools.partial(app_snapshots, handle))
 
     async def __call__(self, request: Request) -> Response:
         return _Served(self._app)

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 Scope = dict[str, Any]
 Message = dict[str, Any]
 _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
-_EXEMPT_PATHS = frozenset({"/health"})  # never capped per client: it must always answer
+_EXEMPT_PATHS = frozenset({"/health", "/metrics"})  # never capped per client: always answer
 
 
 @dataclass(frozen=True)

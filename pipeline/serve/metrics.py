@@ -1,14 +1,24 @@
-"""Prometheus metrics of one replica, through Ray Serve's metrics API.
+"""Prometheus metrics of one replica: through Ray Serve's metrics API, and into the replica's
+own `MetricsRecorder` (pipeline/serve/snapshots.py) that the app's GET /metrics reads.
 
 Created in the replica (never at import), so two replicas or two apps never share state. Ray
-exports them on each node's metrics port with the replica's tags added.
+exports the `raypack_serve_*` metrics on each node's metrics port with the replica's tags added;
+/metrics answers the `raypack:*` ones (vLLM's names) of all the app's replicas.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Any
 
 from ray.serve import metrics
+
+from pipeline.serve.snapshots import MetricsRecorder, ReplicaSnapshot
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_TIMEOUT_S = 10.0  # for all replicas' snapshots of one GET /metrics
 
 _LATENCY_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 _TPOT_BUCKETS_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]
@@ -66,6 +76,7 @@ class ServeMetrics:
             "Requests answered with an error, by HTTP status.",
             tag_keys=("status",),
         )
+        self.recorder = MetricsRecorder()  # what GET /metrics reads (snapshots.py)
         self._window_s = tokens_per_s_window_s
         self._window_start = time.monotonic()
         self._window_tokens = 0
@@ -83,9 +94,21 @@ class ServeMetrics:
             self.tokens_per_s.set(self._window_tokens / (now - self._window_start))
             self._window_start, self._window_tokens = now, 0
 
-    def record_first_token(self, ttft_s: float) -> None:
-        """A request got its first token after `ttft_s` seconds."""
+    def record_queued(self, queue_s: float) -> None:
+        """A request entered the engine after `queue_s` seconds in the staging queue."""
+        self.recorder.record_queued(queue_s)
+
+    def record_first_token(
+        self, ttft_s: float, prompt_tokens: int = 0, cached_tokens: int = 0
+    ) -> None:
+        """A request got its first token after `ttft_s` seconds (its prompt had
+        `prompt_tokens` tokens, `cached_tokens` of them from the prefix cache)."""
         self.ttft.observe(ttft_s)
+        self.recorder.record_first_token(ttft_s, prompt_tokens, cached_tokens)
+
+    def record_tokens(self, new_tokens: int, gap_s: float | None) -> None:
+        """A request got `new_tokens` tokens in a step, `gap_s` after its previous one."""
+        self.recorder.record_tokens(new_tokens, gap_s)
 
     def record_finished(
         self,
@@ -97,6 +120,7 @@ class ServeMetrics:
     ) -> None:
         """A request finished."""
         self.finished.inc(tags={"finish_reason": finish_reason})
+        self.recorder.record_finished(finish_reason, latency_s, tpot_s)
         self.latency.observe(latency_s)
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
@@ -108,3 +132,22 @@ class ServeMetrics:
     def record_rejected(self, status: int) -> None:
         """A request was answered with an error status."""
         self.rejected.inc(tags={"status": str(status)})
+
+
+async def app_snapshots(
+    handle: Any, timeout_s: float = SNAPSHOT_TIMEOUT_S
+) -> list[ReplicaSnapshot]:
+    """Every running replica's `metrics_snapshot()`, through Serve's broadcast on `handle` (the
+    engine deployment's handle: one call per replica, whichever router the handle has). A
+    replica whose call fails is left out (logged); TimeoutError when they take over
+    `timeout_s`."""
+    results = await handle.broadcast("metrics_snapshot").results_async(
+        timeout_s=timeout_s, return_exceptions=True
+    )
+    snapshots = []
+    for result in results:
+        if isinstance(result, BaseException):
+            logger.warning("a replica's metrics are missing: %r", result)
+        else:
+            snapshots.append(result)
+    return snapshots

@@ -66,6 +66,7 @@ class _Request:
     latest: RequestOutput | None = None
     error: BaseException | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -257,7 +258,8 @@ class EngineLoop:
     def _admit(self) -> float | None:
         """Hand the admitted group to the engine; return when to ask again if nothing changes."""
         oldest = next(iter(self._waiting.values())).arrival if self._waiting else None
-        decision = self.controller.decide(self._clock(), len(self._waiting), oldest)
+        now = self._clock()
+        decision = self.controller.decide(now, len(self._waiting), oldest)
         count = decision.count
         if self.max_running is not None:
             count = min(count, max(0, self.max_running - len(self._running)))
@@ -272,6 +274,8 @@ class EngineLoop:
                 self._fail(request, exc)
                 continue
             self._running[request.request_id] = request
+            if self._metrics is not None:
+                self._metrics.record_queued(now - request.arrival)
         if count and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "admitted %d (%s), N_t=%d",
@@ -299,12 +303,20 @@ class EngineLoop:
             if request is None:  # aborted while the step ran
                 continue
             previous = len(request.latest.token_ids) if request.latest is not None else 0
-            new_tokens += max(0, len(output.token_ids) - previous)
+            new = max(0, len(output.token_ids) - previous)
+            new_tokens += new
             if request.first_token_at is None and output.token_ids:
                 request.first_token_at = now
                 ttfts.append(now - request.arrival)
                 if self._metrics is not None:
-                    self._metrics.record_first_token(now - request.arrival)
+                    self._metrics.record_first_token(
+                        now - request.arrival, output.num_prompt_tokens, output.num_cached_tokens
+                    )
+            if new and self._metrics is not None:
+                gap = None if request.last_token_at is None else now - request.last_token_at
+                self._metrics.record_tokens(new, gap)
+            if new:
+                request.last_token_at = now
             request.latest = output
             request.changed.set()
             if output.finished:
