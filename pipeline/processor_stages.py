@@ -193,8 +193,8 @@ class ProcessorInferStage(InferStage):
         super().__init__(*args, **kwargs)
         self.with_logprobs = with_logprobs
 
-    def _rows(self, shard, shard_id, members, outputs, layout) -> pa.Table:  # noqa: ANN001
-        table = super()._rows(shard, shard_id, members, outputs, layout)
+    def _rows(self, shard, shard_id, members, outputs, groups) -> pa.Table:  # noqa: ANN001
+        table = super()._rows(shard, shard_id, members, outputs, groups)
         if not self.with_logprobs:
             return table
         values = [_logprobs(out) for out in outputs] or [None] * table.num_rows
