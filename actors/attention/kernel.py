@@ -1,4 +1,5 @@
-"""Decodes through the compiled paged decode kernel (`actors.kernels`, float32 on CPU)."""
+"""Decodes through the compiled paged decode kernel (`actors.kernels`, float32 or bfloat16 on
+CPU)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,13 @@ class KernelDecodeBackend(AttentionBackend[KernelDecodes]):
 
     What the kernel needs is checked as early as it can be, not per layer: the caches when
     the backend is built, the step's tables in `prepare`; per layer only the query is made
-    contiguous (float32, as the caches: the model's dtype)."""
+    contiguous (the caches' dtype: the model's, float32 or bfloat16)."""
 
     def __init__(self, kv_caches: KVCaches, kernel: PagedDecode) -> None:
         super().__init__(kv_caches)
         for k_cache, v_cache in kv_caches:
             if k_cache.numel():  # a pipeline stage's other layers are empty
-                check_cache(k_cache, v_cache)
+                check_cache(k_cache, v_cache, kernel.dtype)
         self.kernel = kernel
 
     def prepare(self, batch: StepBatch) -> KernelDecodes:

@@ -19,7 +19,7 @@ HALF = (torch.bfloat16, torch.float16)
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
     """The backend `name` stands for on `device` in `dtype` ("auto": varlen on CUDA in half
-    precision, the C kernel on CPU in float32 when it builds, else sdpa); a ValueError says
+    precision, the C kernel on CPU in float32 or bfloat16 when it builds, else sdpa); a ValueError says
     why a named one cannot run there."""
     device = torch.device(device)
     where = f"{device.type} in {str(dtype).removeprefix('torch.')}"
@@ -33,9 +33,10 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype) -
             f"kernels); this engine runs on {where}: use 'auto' or 'sdpa'"
         )
     if name == "cpu_kernel":
-        if device.type != "cpu" or dtype != torch.float32:
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
-                f"attention_backend 'cpu_kernel' needs float32 on CPU; this engine runs on "
+                "attention_backend 'cpu_kernel' needs float32 or bfloat16 on CPU; this engine "
+                f"runs on "
                 f"{where}: use 'auto' or 'sdpa'"
             )
         if paged_decode_kernel(device, dtype) is None:

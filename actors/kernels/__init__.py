@@ -1,4 +1,5 @@
-"""CPU kernels compiled on first use: the paged decode attention (`paged_decode.c`).
+"""CPU kernels compiled on first use: the paged decode attention (`paged_decode.c` in float32,
+`paged_decode_bf16.c` in bfloat16, each its own library).
 
 torch has no paged attention on CPU (its varlen kernel is CUDA only, and IPEX, which has
 one, last released for torch 2.8), so raypack ships one small C file and builds it with the
@@ -31,6 +32,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCE_BF16 = Path(__file__).with_name("paged_decode_bf16.c")
+# The dtypes a kernel exists for: its source and the function the library exports.
+KERNELS = {
+    torch.float32: (SOURCE, "raypack_paged_decode_f32"),
+    torch.bfloat16: (SOURCE_BF16, "raypack_paged_decode_bf16"),
+}
 # Compiled with -ffast-math (vectorized expf and float sums) but LINKED without it: a link
 # with -ffast-math adds crtfastmath.o (GCC < 13), whose constructor sets flush-to-zero and
 # denormals-are-zero for the whole process when the library loads (torch's numerics, and
@@ -41,13 +48,16 @@ OPENMP = ("-fopenmp",)
 
 
 class PagedDecode:
-    """The compiled `raypack_paged_decode_f32`, called with torch tensors."""
+    """The compiled `raypack_paged_decode_f32` (or `_bf16` for `dtype` bfloat16: query, caches
+    and output in bfloat16, float32 arithmetic), called with torch tensors."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.raypack_paged_decode_f32
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
+        fn = getattr(library, KERNELS[dtype][1])
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
-        fn.argtypes += [ptr, i64]
+        # the bf16 kernel also takes an optional log-sum-exp output (passed NULL here)
+        fn.argtypes += [ptr, ptr, i64] if dtype == torch.bfloat16 else [ptr, i64]
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -63,10 +73,10 @@ class PagedDecode:
     ) -> None:
         """Attend each sequence's one query to its keys in the paged cache, into `out`;
         every argument checked (a ValueError names the bad one)."""
-        check_cache(k_cache, v_cache)
+        check_cache(k_cache, v_cache, self.dtype)
         check_step(block_tables, seq_lens)
-        _check("query", query, torch.float32)
-        _check("out", out, torch.float32)
+        _check("query", query, self.dtype)
+        _check("out", out, self.dtype)
         if out.shape != query.shape or len(query) != len(seq_lens):
             raise ValueError("query, out, block_tables and seq_lens disagree on num_seqs")
         if query.shape[1] % k_cache.shape[2]:
@@ -85,11 +95,13 @@ class PagedDecode:
     ) -> None:
         """`__call__` without the checks, for a caller that made sure of them: the caches
         with `check_cache` once, the step's tables with `check_step` once per step, and
-        query and out contiguous float32 of the same shape (`actors.attention.kernel`)."""
+        query and out contiguous, of the same shape and dtype as the caches
+        (`actors.attention.kernel`)."""
         num_seqs, num_heads, head_dim = query.shape
         if num_seqs == 0:
             return
         _, block_size, kv_heads, _ = k_cache.shape
+        lse = (None,) if self.dtype == torch.bfloat16 else ()
         failed = self._fn(
             query.data_ptr(),
             k_cache.data_ptr(),
@@ -104,17 +116,20 @@ class PagedDecode:
             block_size,
             scale,
             out.data_ptr(),
+            *lse,
             torch.get_num_threads(),
         )
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
 
 
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """A layer's K and V caches as the kernel reads them: alike, contiguous float32 on CPU,
-    `[num_blocks, block_size, kv_heads, head_dim]`."""
-    _check("k_cache", k_cache, torch.float32)
-    _check("v_cache", v_cache, torch.float32)
+def check_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> None:
+    """A layer's K and V caches as the kernel for `dtype` reads them: alike, contiguous
+    `dtype` on CPU, `[num_blocks, block_size, kv_heads, head_dim]`."""
+    _check("k_cache", k_cache, dtype)
+    _check("v_cache", v_cache, dtype)
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
             "K and V caches must be alike, [num_blocks, block_size, kv_heads, head_dim]; got "
@@ -136,41 +151,44 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def paged_decode_kernel(device: torch.device | str, dtype: torch.dtype) -> PagedDecode | None:
-    """The compiled kernel for float32 on CPU, else (or when it cannot be built) None."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
+    """The compiled kernel for float32 or bfloat16 on CPU, else (or when it cannot be built)
+    None."""
+    if torch.device(device).type != "cpu" or dtype not in KERNELS:
         return None
-    library = _load()
-    return None if library is None else PagedDecode(library)
+    library = _load(KERNELS[dtype][0])
+    return None if library is None else PagedDecode(library, dtype)
 
 
-@functools.cache  # one build and load per process; the library never changes once loaded
-def _load() -> ctypes.CDLL | None:
+@functools.cache  # one build and load per source and process; a loaded library never changes
+def _load(source: Path) -> ctypes.CDLL | None:
     from actors.loader import cache_dir  # beside the converted models ($RAYPACK_CACHE_DIR)
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    return load_library(compiler, cache_dir() / "kernels")
+    return load_library(compiler, cache_dir() / "kernels", source)
 
 
-def load_library(compiler: str | None, cache_dir: Path) -> ctypes.CDLL | None:
-    """Build `paged_decode.c` with `compiler` into `cache_dir` unless built already, and load
-    it; None (with a warning) when there is no compiler or the build fails."""
+def load_library(
+    compiler: str | None, cache_dir: Path, source: Path = SOURCE
+) -> ctypes.CDLL | None:
+    """Build `source` (`paged_decode.c`) with `compiler` into `cache_dir` unless built already,
+    and load it; None (with a warning) when there is no compiler or the build fails."""
     if compiler is None:
         logger.warning("no C compiler on PATH: decode attention gathers blocks for SDPA")
         return None
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _cpu_signature().encode()):
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), _cpu_signature().encode()):
         key.update(part)
-    target = cache_dir / f"paged_decode-{key.hexdigest()[:16]}.so"
+    target = cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         try:
-            _build(compiler, target)
+            _build(compiler, target, source)
         except (OSError, subprocess.SubprocessError) as exc:
-            logger.warning("could not build %s (%s): decode attention gathers blocks", SOURCE, exc)
+            logger.warning("could not build %s (%s): decode attention gathers blocks", source, exc)
             return None
     return ctypes.CDLL(str(target))
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, target: Path, source: Path) -> None:
     """Compile into a temporary file beside `target`, then rename it into place: processes
     building at once (Ray workers on one node) never load a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -183,10 +201,10 @@ def _build(compiler: str, target: Path) -> None:
 
     try:
         try:  # OpenMP where the compiler has it
-            run(*FLAGS, *OPENMP, "-c", str(SOURCE), "-o", obj)
+            run(*FLAGS, *OPENMP, "-c", str(source), "-o", obj)
             run("-shared", *OPENMP, obj, "-o", tmp, "-lm")
         except subprocess.CalledProcessError:
-            run(*FLAGS, "-c", str(SOURCE), "-o", obj)
+            run(*FLAGS, "-c", str(source), "-o", obj)
             run("-shared", obj, "-o", tmp, "-lm")
         os.replace(tmp, target)
     finally:

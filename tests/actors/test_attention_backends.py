@@ -45,15 +45,17 @@ def test_sdpa_per_request_alone_attends_a_whole_step() -> None:
     torch.testing.assert_close(attend(SdpaPrefillBackend, step), reference(step))
 
 
-def test_sdpa_backend_runs_in_bfloat16() -> None:
+@pytest.mark.parametrize("name", ["sdpa", "cpu_kernel"])
+def test_backend_runs_in_bfloat16(name) -> None:
     step = make_step()
-    out = attend(lambda caches: make_backend("sdpa", caches), step, dtype=torch.bfloat16)
+    out = attend(lambda caches: make_backend(name, caches), step, dtype=torch.bfloat16)
     torch.testing.assert_close(out, reference(step), atol=3e-2, rtol=3e-2)
 
 
 def test_auto_picks_from_device_and_dtype() -> None:
     assert resolve_backend("auto", "cpu", torch.float32) == "cpu_kernel"  # a compiler here
-    assert resolve_backend("auto", "cpu", torch.bfloat16) == "sdpa"
+    assert resolve_backend("auto", "cpu", torch.bfloat16) == "cpu_kernel"
+    assert resolve_backend("auto", "cpu", torch.float16) == "sdpa"
     assert resolve_backend("auto", "cuda", torch.bfloat16) == "varlen"
     assert resolve_backend("auto", "cuda", torch.float32) == "sdpa"  # flash has no fp32
     assert available_backends("cpu", torch.float32) == ["cpu_kernel", "sdpa"]
@@ -77,8 +79,8 @@ def test_backends_are_built_from_their_parts() -> None:
     [
         ("varlen", "cpu", torch.float32, "'varlen' needs CUDA in bfloat16 or float16"),
         ("varlen", "cuda", torch.float32, "runs on cuda in float32"),
-        ("cpu_kernel", "cpu", torch.bfloat16, "'cpu_kernel' needs float32 on CPU"),
-        ("cpu_kernel", "cuda", torch.float32, "'cpu_kernel' needs float32 on CPU"),
+        ("cpu_kernel", "cpu", torch.float16, "'cpu_kernel' needs float32 or bfloat16 on CPU"),
+        ("cpu_kernel", "cuda", torch.float32, "'cpu_kernel' needs float32 or bfloat16 on CPU"),
         ("flash", "cpu", torch.float32, "attention_backend must be one of"),
     ],
 )

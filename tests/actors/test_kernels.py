@@ -77,6 +77,24 @@ def test_kernel_equals_sdpa(kernel, heads, kv_heads, dim, block_size, threads) -
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, seq_lens))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_kernel_is_float32_attention_rounded_once(threads) -> None:
+    """bf16 query and caches, float32 arithmetic inside: the output is the float32 attention
+    of the same bf16 inputs, rounded once to bf16 (so within one bf16 rounding of it)."""
+    kernel = kernels.paged_decode_kernel("cpu", torch.bfloat16)
+    assert kernel is not None and kernel.dtype == torch.bfloat16
+    case = random_case(13, 9, 3, 64, 16, max_len=70, seed=5)
+    q, k_cache, v_cache = (t.bfloat16() for t in case[:3])
+    tables, seq_lens = case[3:]
+    out = torch.full_like(q, float("nan"))
+    with torch_threads(threads):
+        kernel(q, k_cache, v_cache, tables, seq_lens, 64**-0.5, out)
+    exact = reference(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens)
+    torch.testing.assert_close(out.float(), exact, atol=1e-5, rtol=2**-8)
+    with pytest.raises(ValueError, match="k_cache must be a contiguous CPU torch.bfloat16"):
+        kernel(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, 1.0, out.float())
+
+
 def test_paged_attention_decodes_equal_with_and_without_kernel(kernel) -> None:
     """Through the attention function: three decodes, an extend and a fresh prefill in one
     step, decodes by the kernel and by gathered SDPA."""
@@ -104,8 +122,8 @@ def test_bad_arguments_are_named(kernel) -> None:
         kernel(q[:, :3].contiguous(), k_cache, v_cache, tables, seq_lens, 1.0, torch.empty(3, 3, 8))
 
 
-def test_no_kernel_off_cpu_float32() -> None:
-    assert kernels.paged_decode_kernel("cpu", torch.bfloat16) is None
+def test_no_kernel_off_cpu_float32_or_bfloat16() -> None:
+    assert kernels.paged_decode_kernel("cpu", torch.float16) is None
     assert kernels.paged_decode_kernel("meta", torch.float32) is None
 
 
