@@ -1,7 +1,8 @@
 """The serving command line itself (`python jobs/serve.py`, the same code as `raypack serve`)
 as a user runs it: a subprocess on a free port with the tiny model saved to a temporary
-folder. It answers /health, a greedy completion equals Hugging Face `generate`, and SIGINT or
-SIGTERM makes it exit 0 and release the port. Timeouts are hang guards only."""
+folder, with one replica and with two. It answers /health, a greedy completion equals Hugging
+Face `generate`, /metrics covers every replica, and SIGINT or SIGTERM makes it exit 0 and
+release the port. Timeouts are hang guards only."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.conftest import free_port
 from tests.serve.hf_reference import HFReference
@@ -68,9 +70,13 @@ def wait_healthy(
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    ("stop_signal", "replicas"),
+    [(signal.SIGINT, 2), (signal.SIGTERM, 1)],
+    ids=["SIGINT-2-replicas", "SIGTERM"],
+)
 def test_serve_command_serves_and_stops_cleanly(
-    tiny_model_dir: Path, tmp_path: Path, stop_signal: signal.Signals
+    tiny_model_dir: Path, tmp_path: Path, stop_signal: signal.Signals, replicas: int
 ) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -86,6 +92,7 @@ def test_serve_command_serves_and_stops_cleanly(
         "--ray-num-cpus", "2",
         "--num-cpus", "0.2",
         "--max-num-seqs", "8",
+        "--num-replicas", str(replicas),
     ]  # fmt: skip
     log = (tmp_path / "serve.log").open("wb")
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=log)
@@ -97,6 +104,15 @@ def test_serve_command_serves_and_stops_cleanly(
         expected = HFReference(tiny_model_dir).greedy(PROMPT, 10)
         assert answer.json()["choices"][0]["text"] == expected.text
         assert answer.json()["usage"]["prompt_tokens"] == expected.num_prompt_tokens
+        metrics = requests.get(f"{base}/metrics", timeout=60)  # over every replica
+        assert metrics.status_code == 200, metrics.text
+        samples = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(metrics.text)
+            for sample in family.samples
+        }
+        assert samples["raypack:time_to_first_token_seconds_count"] == 1
+        assert samples["raypack:num_replicas"] == replicas
 
         process.send_signal(stop_signal)
         returncode = process.wait(timeout=120)  # hang guard
