@@ -47,6 +47,14 @@ class EngineConfig:
     # flash varlen (CUDA bf16/fp16); "auto": varlen, else cpu_kernel when a C compiler builds
     # it, else sdpa
     attention_backend: AttentionBackendName = "auto"
+    # Decodes whose block tables start with the same blocks (a prefix group's shared prefix,
+    # at every nesting level, or blocks shared by hash) read those blocks once per step for
+    # all of them, merged exactly with their own keys (actors/attention/shared_prefix.py);
+    # with the C kernel (cpu_kernel) in float32 only, the other backends ignore it
+    shared_prefix_attention: bool = True
+    # ... for a shared run whose members x keys reach this; smaller runs cost more apart
+    # (one more call and merge per layer) than read by each member (measured on CPU)
+    shared_prefix_min_keys: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     tensor_parallel_size: int = 1  # workers per pipeline stage, each with 1/tp of heads and MLP
@@ -91,6 +99,7 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("block_size", self.block_size)
+        _positive("shared_prefix_min_keys", self.shared_prefix_min_keys)
         if self.chunk_size is not None:
             _positive("chunk_size", self.chunk_size)
         self.step_budget_config()  # validates the controller's knobs

@@ -67,7 +67,12 @@ class ModelRunner:
             self.device,
         )
         # Chosen once, from the config and the cache's device and dtype (`actors.attention`).
-        self.attention_backend = attention.make_backend(config.attention_backend, self.kv_caches)
+        self.attention_backend = attention.make_backend(
+            config.attention_backend,
+            self.kv_caches,
+            config.shared_prefix_attention,
+            config.shared_prefix_min_keys,
+        )
         attention.register()
         model.set_attn_implementation(attention.ATTN_NAME)
 

@@ -83,6 +83,11 @@ def add_engine_flags(
         "--no-prefix-caching", action="store_true", help="no block-hash prefix cache in the engine"
     )
     g.add_argument(
+        "--no-shared-prefix-attention",
+        action="store_true",
+        help="decodes read a shared prefix's KV once each (not once per group and step)",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -120,5 +125,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
         values["enable_prefix_caching"] = not args.no_prefix_caching
     if getattr(args, "tpot_target_ms", None) is not None:
         values["tpot_target_s"] = args.tpot_target_ms / 1e3
+    if hasattr(args, "no_shared_prefix_attention"):
+        values["shared_prefix_attention"] = not args.no_shared_prefix_attention
     values.update(overrides)
     return EngineConfig(**values)

@@ -8,7 +8,9 @@ function writes the step's new K/V into the paged cache and calls the engine's b
 A backend (`base.AttentionBackend`) is built once per engine from its KV tensors, prepares
 each step's metadata once (`prepare`) and attends once per layer (`forward`):
 - `cpu_kernel`: decodes by the compiled paged decode kernel (`kernel`, CPU float32), the rest
-  of the step by SDPA per request (`sdpa.SdpaPrefillBackend`);
+  of the step by SDPA per request (`sdpa.SdpaPrefillBackend`); with
+  `EngineConfig.shared_prefix_attention` (on) the decodes' shared blocks (a prefix group's,
+  at every nesting level) are read once per step for all of them (`shared_prefix`);
 - `sdpa`: decodes gathered by block table for SDPA (`sdpa.SdpaDecodeBackend`), the rest as
   above; runs on any device;
 - `varlen`: the whole step in one flash varlen call (`varlen`, CUDA in bf16/fp16).
@@ -16,8 +18,9 @@ each step's metadata once (`prepare`) and attends once per layer (`forward`):
 and dtype ("auto": varlen, else cpu_kernel, else sdpa). Nothing is stored in module or class
 state, so several engines can run in one process.
 
-A new way to attend decodes (say, one that reads a group's shared prefix once per step) is
-a decode backend in `HybridBackend`'s decode place, with what it needs added to `StepBatch`.
+A new way to attend decodes is a decode backend in `HybridBackend`'s decode place, with what
+it needs added to `StepBatch` (`shared_prefix` needed nothing: shared blocks are in the
+block tables).
 """
 
 from actors.attention.base import (

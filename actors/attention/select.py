@@ -10,6 +10,7 @@ import torch
 from actors.attention.base import AttentionBackend, HybridBackend, KVCaches
 from actors.attention.kernel import KernelDecodeBackend
 from actors.attention.sdpa import SdpaDecodeBackend, SdpaPrefillBackend
+from actors.attention.shared_prefix import SharedPrefixDecodeBackend
 from actors.attention.varlen import VarlenBackend
 from actors.config import ATTENTION_BACKENDS
 from actors.kernels import paged_decode_kernel
@@ -63,8 +64,13 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
     return usable
 
 
-def make_backend(name: str, kv_caches: KVCaches) -> AttentionBackend[Any]:
-    """The backend `name` stands for, over `kv_caches` (whose device and dtype decide)."""
+def make_backend(
+    name: str, kv_caches: KVCaches, shared_prefix: bool = False, shared_prefix_min_keys: int = 1
+) -> AttentionBackend[Any]:
+    """The backend `name` stands for, over `kv_caches` (whose device and dtype decide); with
+    `shared_prefix` (`EngineConfig.shared_prefix_attention`) the C kernel's decodes read
+    blocks that decodes share once per step, runs of members x keys >= the minimum
+    (`shared_prefix`; float32 only: bfloat16 and the other backends ignore it)."""
     owned = next(k for k, _ in kv_caches if k.dim() == 4)
     name = resolve_backend(name, owned.device, owned.dtype)
     if name == "varlen":
@@ -73,5 +79,8 @@ def make_backend(name: str, kv_caches: KVCaches) -> AttentionBackend[Any]:
     if name == "cpu_kernel":
         kernel = paged_decode_kernel(owned.device, owned.dtype)
         assert kernel is not None  # resolve_backend checked
+        if shared_prefix and owned.dtype == torch.float32:
+            decode = SharedPrefixDecodeBackend(kv_caches, kernel, shared_prefix_min_keys)
+            return HybridBackend(decode, prefill)
         return HybridBackend(KernelDecodeBackend(kv_caches, kernel), prefill)
     return HybridBackend(SdpaDecodeBackend(kv_caches), prefill)

@@ -35,7 +35,7 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 SOURCE_BF16 = Path(__file__).with_name("paged_decode_bf16.c")
 # The dtypes a kernel exists for: its source and the function the library exports.
 KERNELS = {
-    torch.float32: (SOURCE, "raypack_paged_decode_f32"),
+    torch.float32: (SOURCE, "raypack_paged_decode_lse_f32"),
     torch.bfloat16: (SOURCE_BF16, "raypack_paged_decode_bf16"),
 }
 # Compiled with -ffast-math (vectorized expf and float sums) but LINKED without it: a link
@@ -48,16 +48,16 @@ OPENMP = ("-fopenmp",)
 
 
 class PagedDecode:
-    """The compiled `raypack_paged_decode_f32` (or `_bf16` for `dtype` bfloat16: query, caches
-    and output in bfloat16, float32 arithmetic), called with torch tensors."""
+    """The compiled `raypack_paged_decode_lse_f32` (or `raypack_paged_decode_bf16` for `dtype`
+    bfloat16: query, caches and output in bfloat16, float32 arithmetic), called with torch
+    tensors; both can also write each head's log-sum-exp (float32)."""
 
     def __init__(self, library: ctypes.CDLL, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
         fn = getattr(library, KERNELS[dtype][1])
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
-        # the bf16 kernel also takes an optional log-sum-exp output (passed NULL here)
-        fn.argtypes += [ptr, ptr, i64] if dtype == torch.bfloat16 else [ptr, i64]
+        fn.argtypes += [ptr, ptr, i64]  # out, lse (NULL: not written), threads
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -70,18 +70,24 @@ class PagedDecode:
         seq_lens: torch.Tensor,  # [num_seqs] int64: keys per sequence, its new token included
         scale: float,
         out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written
+        lse: torch.Tensor | None = None,  # [num_seqs, num_heads], written when given
     ) -> None:
-        """Attend each sequence's one query to its keys in the paged cache, into `out`;
-        every argument checked (a ValueError names the bad one)."""
+        """Attend each sequence's one query to its keys in the paged cache, into `out` (and
+        each head's log-sum-exp of its scaled scores into `lse`); every argument checked (a
+        ValueError names the bad one)."""
         check_cache(k_cache, v_cache, self.dtype)
         check_step(block_tables, seq_lens)
         _check("query", query, self.dtype)
         _check("out", out, self.dtype)
         if out.shape != query.shape or len(query) != len(seq_lens):
             raise ValueError("query, out, block_tables and seq_lens disagree on num_seqs")
+        if lse is not None:
+            _check("lse", lse, torch.float32)
+            if lse.shape != query.shape[:2]:
+                raise ValueError("lse must be [num_seqs, num_heads]")
         if query.shape[1] % k_cache.shape[2]:
             raise ValueError("num_heads must be a multiple of kv_heads")
-        self.run(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
+        self.run(query, k_cache, v_cache, block_tables, seq_lens, scale, out, lse)
 
     def run(
         self,
@@ -92,16 +98,17 @@ class PagedDecode:
         seq_lens: torch.Tensor,
         scale: float,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         """`__call__` without the checks, for a caller that made sure of them: the caches
         with `check_cache` once, the step's tables with `check_step` once per step, and
-        query and out contiguous, of the same shape and dtype as the caches
-        (`actors.attention.kernel`)."""
+        query and out contiguous, of the same shape and dtype as the caches, lse None or
+        contiguous float32 `[num_seqs, num_heads]` (`actors.attention.kernel`,
+        `.shared_prefix`)."""
         num_seqs, num_heads, head_dim = query.shape
         if num_seqs == 0:
             return
         _, block_size, kv_heads, _ = k_cache.shape
-        lse = (None,) if self.dtype == torch.bfloat16 else ()
         failed = self._fn(
             query.data_ptr(),
             k_cache.data_ptr(),
@@ -116,7 +123,7 @@ class PagedDecode:
             block_size,
             scale,
             out.data_ptr(),
-            *lse,
+            None if lse is None else lse.data_ptr(),
             torch.get_num_threads(),
         )
         if failed:

@@ -12,6 +12,10 @@
  * contiguous in its block) is read once, then its V row once, straight from the blocks.
  * Two passes per sequence: scores and an exact max-subtracted softmax, then the weighted sum
  * of V. Sequences are split over OpenMP threads (torch's own libgomp when loaded by torch).
+ *
+ * `raypack_paged_decode_lse_f32` also writes each head's log-sum-exp of its scaled scores
+ * (max + log(sum)), [num_seqs, num_heads]: what merging this attention with another over
+ * other keys needs (the shared-prefix backend, actors/attention/shared_prefix.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,7 +25,7 @@
 static void attend(const float *q, const float *k_cache, const float *v_cache,
                    const int64_t *table, int64_t len, int64_t num_heads, int64_t group,
                    int64_t head_dim, int64_t block_size, int64_t token_stride, float scale,
-                   float *scores, float *out) {
+                   float *scores, float *out, float *lse) {
     for (int64_t t = 0; t < len; t++) {
         const float *k = k_cache + (table[t / block_size] * block_size + t % block_size) * token_stride;
         for (int64_t h = 0; h < num_heads; h++) {
@@ -44,6 +48,7 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
             s[t] = x < -87.f ? 0.f : expf(x);
             sum += s[t];
         }
+        if (lse) lse[h] = top + logf(sum);
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; t++) s[t] *= inv;
     }
@@ -59,12 +64,12 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
     }
 }
 
-/* Returns 0, or 1 when scratch memory could not be allocated. */
-int raypack_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                             const int64_t *block_tables, int64_t max_blocks,
-                             const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, float *out, int64_t num_threads) {
+/* Returns 0, or 1 when scratch memory could not be allocated. lse may be NULL. */
+int raypack_paged_decode_lse_f32(const float *q, const float *k_cache, const float *v_cache,
+                                 const int64_t *block_tables, int64_t max_blocks,
+                                 const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                 float scale, float *out, float *lse, int64_t num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     int64_t longest = 1;
@@ -83,9 +88,20 @@ int raypack_paged_decode_f32(const float *q, const float *k_cache, const float *
             if (scores)
                 attend(q + i * num_heads * head_dim, k_cache, v_cache,
                        block_tables + i * max_blocks, seq_lens[i], num_heads, group, head_dim,
-                       block_size, token_stride, scale, scores, out + i * num_heads * head_dim);
+                       block_size, token_stride, scale, scores, out + i * num_heads * head_dim,
+                       lse ? lse + i * num_heads : NULL);
         }
         free(scores);
     }
     return failed;
+}
+
+int raypack_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                             const int64_t *block_tables, int64_t max_blocks,
+                             const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             float scale, float *out, int64_t num_threads) {
+    return raypack_paged_decode_lse_f32(q, k_cache, v_cache, block_tables, max_blocks, seq_lens,
+                                        num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                        scale, out, NULL, num_threads);
 }

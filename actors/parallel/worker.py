@@ -83,7 +83,10 @@ class StageWorker:
         empty = torch.empty(0, device=self.device)
         self.kv_caches = [(empty, empty)] * start + owned
         self.attention_backend = attention.make_backend(
-            self.config.attention_backend, self.kv_caches
+            self.config.attention_backend,
+            self.kv_caches,
+            self.config.shared_prefix_attention,
+            self.config.shared_prefix_min_keys,
         )
         return start, stop
 

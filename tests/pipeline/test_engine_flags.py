@@ -26,6 +26,7 @@ def test_parallel_and_engine_flags() -> None:
         *("--model", "/m", "-tp", "2", "--pipeline-parallel-size", "3"),
         *("--placement-strategy", "SPREAD", "--worker-num-cpus", "0.25", "--chunk-size", "7"),
         *("--max-num-batched-tokens", "48", "--no-prefix-caching", "--dtype", "bfloat16"),
+        "--no-shared-prefix-attention",
     )
     config = engine_config_from_args(args, seed=5)
     assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (2, 3)
@@ -36,6 +37,7 @@ def test_parallel_and_engine_flags() -> None:
         48,
     )
     assert not config.enable_prefix_caching and config.dtype == "bfloat16"
+    assert not config.shared_prefix_attention and EngineConfig().shared_prefix_attention
     assert config.model == "/m" and config.seed == 5
 
 
