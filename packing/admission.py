@@ -44,6 +44,8 @@ POLICIES: tuple[AdmissionPolicy, ...] = ("immediate", "fixed", "aimd")
 
 _MIN_GAP_S = 1e-6  # two arrivals at the same instant count as this far apart
 
+_TIME_SLACK_S = 1e-9  # below any clock's resolution that matters here
+
 
 @dataclass(frozen=True)
 class AdmissionConfig:
@@ -200,7 +202,9 @@ class AdmissionController:
         if now >= timeout_at:
             return AdmissionDecision(queue_depth, "timeout")
         fill_by = self._fill_deadline(queue_depth, timeout_at)
-        if now >= fill_by:
+        # A nanosecond of slack: gaps summed in floats can leave fill_by an ulp past `now`
+        # when the queue certainly cannot fill (arrivals exactly max_wait_s apart).
+        if now >= fill_by - _TIME_SLACK_S:
             return AdmissionDecision(queue_depth, "no_fill")
         return AdmissionDecision(0, "wait", fill_by)
 

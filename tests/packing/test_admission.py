@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from packing.admission import (
@@ -255,6 +255,25 @@ def test_waiting_never_outlasts_the_timeout(
 
 @settings(max_examples=200, deadline=None)
 @given(configs, st.lists(st.floats(0.0, 2.0), min_size=1, max_size=30), st.integers(0, 64))
+@example(  # found by Hypothesis: float sums left the fill deadline an ulp after `now`
+    AdmissionConfig(
+        policy="aimd",
+        n_max=9,
+        alpha=0.2313954668058945,
+        beta=0.42428415209262205,
+        ttft_low_s=0.8487736206370577,
+        ttft_high_s=2.0,
+        ttft_ewma_weight=0.9179176799611246,
+        ttft_window=62,
+        burst_queue_depth=79,
+        burst_arrival_rate=50.0,
+        arrival_ewma_weight=0.1,
+        max_wait_s=0.5630571976967725,
+    ),
+    [2.2250738585e-313, 5e-324, 0.864299982107527, 1.69510566051374, 0.27804315088544135,
+     1.8205674226303916, 0.3930401408470595],
+    7,
+)  # fmt: skip
 def test_sparse_arrivals_are_admitted_at_once(
     config: AdmissionConfig, extra_gaps: list[float], slack_updates: int
 ) -> None:
