@@ -28,7 +28,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.serve.guard import GuardLimits, GuardMiddleware, send_json
+from pipeline.serve.guard import GuardLimits, GuardMiddleware, app_path, send_json
 from pipeline.serve.metrics import app_snapshots
 from pipeline.serve.replicas import Receive, Scope, Send
 from pipeline.serve.router import RoutedRequest, prefix_hashes, routing_text
@@ -146,19 +146,12 @@ def front_app(forward: Forward, limits: GuardLimits, snapshots: Snapshots | None
         return guarded
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "GET" and _path(scope) == "/metrics":
+        if scope["type"] == "http" and scope["method"] == "GET" and app_path(scope) == "/metrics":
             await send_metrics(snapshots, scope, send)
         else:
             await guarded(scope, receive, send)
 
     return app
-
-
-def _path(scope: Scope) -> str:
-    """The path within the app (Serve's proxy keeps the route prefix in `path` and puts it in
-    `root_path` too)."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    return str(path[len(root) :] if root and path.startswith(root) else path)
 
 
 async def send_metrics(snapshots: Snapshots, scope: Scope, send: Send) -> None:

@@ -50,6 +50,16 @@ _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})
 _EXEMPT_PATHS = frozenset({"/health", "/metrics"})  # never capped per client: always answer
 
 
+def app_path(scope: Scope) -> str:
+    """The request's path inside the app: Serve puts the route prefix in both `path` and
+    `root_path` (the ASGI spec's reading since 2.x), so an app under `/auth` sees
+    `/auth/health`; the prefix is taken off."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root):
+        return str(path[len(root) :]) or "/"
+    return str(path)
+
+
 @dataclass(frozen=True)
 class GuardLimits:
     """The middleware's limits (from ServeConfig)."""
@@ -113,7 +123,7 @@ class GuardMiddleware:
             return
         client = (scope.get("client") or ("unknown", 0))[0]
         capped = self.limits.max_requests_per_client is not None and (
-            scope.get("path") not in _EXEMPT_PATHS
+            app_path(scope) not in _EXEMPT_PATHS
         )
         if capped and self._in_flight[client] >= self.limits.max_requests_per_client:  # type: ignore[operator]
             await self._reject(send, _too_many(client, "requests in progress"))

@@ -43,6 +43,7 @@ async def call(
     method: str = "POST",
     length: int | None = None,
     stall: bool = False,
+    root: str = "",
 ) -> tuple[int, bytes]:
     """One request whose body comes in `pieces`; `stall`: then nothing more ever comes."""
     queue: asyncio.Queue[dict] = asyncio.Queue()
@@ -52,7 +53,9 @@ async def call(
     headers = [(b"x-request-id", b"rid-1")]
     if length is not None:
         headers.append((b"content-length", str(length).encode()))
-    scope = {"type": "http", "method": method, "path": path, "headers": headers}
+    # Serve's proxy: the route prefix in `root_path` and in `path` too
+    scope = {"type": "http", "method": method, "path": root + path, "headers": headers}
+    scope["root_path"] = root
     scope["client"] = (client, 1234)
     sent: list[dict] = []
 
@@ -155,7 +158,7 @@ def test_requests_per_client_are_capped_except_health() -> None:
 
     async def held(scope: dict, receive: Any, send: Any) -> None:
         await receive()
-        if scope["path"] != "/health":
+        if not scope["path"].endswith("/health"):
             await release.wait()
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
@@ -167,12 +170,14 @@ def test_requests_per_client_are_capped_except_health() -> None:
         await asyncio.sleep(0.05)
         second = await call(guard, [b"{}"])
         health = await call(guard, [b""], path="/health", method="GET")
+        prefixed = await call(guard, [b""], path="/health", method="GET", root="/auth")
         other = asyncio.create_task(call(guard, [b"{}"], client="10.0.0.9"))
         await asyncio.sleep(0.05)
         release.set()
-        return [(await first)[0], second[0], health[0], (await other)[0]]
+        return [(await first)[0], second[0], health[0], prefixed[0], (await other)[0]]
 
-    assert run(main()) == [200, 429, 200, 200]
+    # /health is never capped, under a route prefix too (an app at /auth sees /auth/health)
+    assert run(main()) == [200, 429, 200, 200, 200]
 
 
 @pytest.mark.parametrize("method", ["GET", "DELETE"])
