@@ -16,7 +16,14 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from actors.config import SamplingParams
-from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
+from pipeline.config import (
+    ComputeConfig,
+    FilesConfig,
+    InputConfig,
+    JobConfig,
+    PlanConfig,
+    PromptConfig,
+)
 from pipeline.engine_flags import add_engine_flags, engine_config_from_args
 
 logger = logging.getLogger(__name__)
@@ -68,6 +75,25 @@ def add_io_args(parser: argparse.ArgumentParser) -> None:
         "them (nothing else is redone)",
     )
 
+    files = FilesConfig()
+    g.add_argument(
+        "--max-rows-per-file",
+        type=int,
+        default=files.max_rows_per_file,
+        help="rows per output file at most (whole shards: a shard larger than this gets a "
+        "file of its own)",
+    )
+    g.add_argument(
+        "--max-bytes-per-file",
+        type=int,
+        default=files.max_bytes_per_file,
+        help="an output file is closed once it reaches about this many bytes",
+    )
+    g.add_argument(
+        "--num-writers",
+        type=int,
+        help="writer actors, one open output file each (default: one per engine actor)",
+    )
     g.add_argument(
         "--input-format",
         choices=["parquet", "jsonl", "csv", "hf"],
@@ -243,6 +269,11 @@ def job_config(
             placement_timeout_s=args.placement_timeout_s,
             wait_for_nodes=args.wait_for_nodes,
             num_tokenize_actors=args.num_tokenize_actors,
+        ),
+        files=FilesConfig(
+            max_rows_per_file=args.max_rows_per_file,
+            max_bytes_per_file=args.max_bytes_per_file,
+            num_writers=args.num_writers,
         ),
         text_column=text_column,
         overwrite=args.overwrite,

@@ -228,8 +228,35 @@ class ComputeConfig:
 
 
 @dataclass(frozen=True)
+class FilesConfig:
+    """How the output is cut into Parquet files (pipeline/writer.py).
+
+    A file is closed (and only then visible under its name) at `max_rows_per_file` rows or at
+    about `max_bytes_per_file` bytes, whichever comes first: Ray Data's own defaults for its
+    file writes are of this order (128 MiB blocks, `max_rows_per_file`). Each of `num_writers`
+    writer actors (None: one per engine actor) keeps one file open, so a job ends with about
+    rows / max_rows_per_file files plus one per writer.
+    """
+
+    max_rows_per_file: int = 1_000_000
+    max_bytes_per_file: int = 128 * 2**20
+    num_writers: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows_per_file", "max_bytes_per_file"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_writers is not None and (
+            not isinstance(self.num_writers, int) or self.num_writers < 1
+        ):
+            raise ValueError(f"num_writers must be an integer >= 1, got {self.num_writers!r}")
+
+
+@dataclass(frozen=True)
 class JobConfig:
-    """The whole offline job: input, prompt, engine, default sampling, plan, compute, output.
+    """The whole offline job: input, prompt, engine, default sampling, plan, compute, output
+    (and its files' sizes).
 
     `overwrite` starts the output folder over (its earlier run's files deleted) instead of
     refusing a folder another lineage produced (pipeline/lineage.py); `retry_errors` generates
@@ -243,6 +270,7 @@ class JobConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     plan: PlanConfig = field(default_factory=PlanConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
+    files: FilesConfig = field(default_factory=FilesConfig)
     text_column: str = "generated_text"
     overwrite: bool = False
     retry_errors: bool = False

@@ -38,7 +38,7 @@ from pipeline.read import (
     resolve_input,
 )
 from pipeline.report import StatsCollector, Summary, summarize, write_report
-from pipeline.resume import data_files, scan_output
+from pipeline.resume import DoneIds, done_filter, scan_output
 from pipeline.tokenize import TokenizeStage
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def model_context(config: JobConfig) -> int:
 def build_dataset(
     config: JobConfig,
     prepared: PreparedJob,
-    done_ids: frozenset[str] = frozenset(),
+    done_ids: DoneIds | None = None,
     collector=None,  # noqa: ANN001 (actor handle of StatsCollector)
     infer_cls: type[InferStage] = InferStage,
     groups: EnginePlacements | None = None,
@@ -172,7 +172,7 @@ def build_dataset(
         prepared.checked,
     )
     ds = ds.map_batches(
-        RowIdStage(prepared.id_column, done_ids, collector),
+        RowIdStage(prepared.id_column, done_ids or (), collector),
         batch_format="pyarrow",
         batch_size=None,
         num_cpus=compute.task_num_cpus,
@@ -296,7 +296,8 @@ def run_job(
                 folder=claimed,
             )
     import ray
-    from ray.data.datasource import FilenameProvider
+
+    from pipeline.writer import ShardSink
 
     started = time.perf_counter()
     prepared = prepared or prepare(config)
@@ -306,17 +307,20 @@ def run_job(
     try:
         state = scan_output(config.output, prefix, retry_errors=config.retry_errors)
         storage.makedirs(config.output)
-        before = set(data_files(config.output, prefix))
         collector = ray.remote(num_cpus=0)(StatsCollector).remote()
         try:
-            ds = build_dataset(config, prepared, state.done_ids, collector, infer_cls, groups)
-            ds.write_parquet(
+            done = done_filter(state.files, state.num_done)
+            ds = build_dataset(config, prepared, done, collector, infer_cls, groups)
+            # Writer actors gather the shards into files of FilesConfig's size, each visible
+            # only when complete (pipeline/writer.py), named with the folder's job token: the
+            # only files a rerun reads or deletes.
+            sink = ShardSink(
                 config.output,
-                filesystem=storage.filesystem(config.output),  # None: local, as always
-                # Named with the folder's job token: the only files a rerun reads or deletes.
-                filename_provider=FilenameProvider(dataset_uuid=prefix),
-                ray_remote_args={"num_cpus": config.compute.task_num_cpus},
+                prefix,
+                config.files,
+                config.files.num_writers or config.compute.num_actors,
             )
+            ds.write_datasink(sink, ray_remote_args={"num_cpus": config.compute.task_num_cpus})
             plan = ray.get(collector.plan_total.remote())
             if on_written is not None:
                 on_written(ds)
@@ -325,9 +329,9 @@ def run_job(
     finally:
         if groups is not None:
             groups.remove_all()
-    written = [p for p in data_files(config.output, prefix) if p not in before]
+    written = [path for path, _ in sink.committed]
     summary, distributions = summarize(
-        config.output, written, plan, time.perf_counter() - started, len(state.done_ids)
+        config.output, written, plan, time.perf_counter() - started, state.num_done
     )
     write_report(config.output, summary, distributions)
     logger.info("summary: %s", summary.log_line())

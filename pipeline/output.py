@@ -41,6 +41,7 @@ LOCK_FILE = "_raypack.lock"
 STATE_FILE = "_raypack_job.json"
 LINEAGE_FILE = "_lineage.json"  # what produced the folder: pipeline/lineage.py
 DATA_PREFIX = "raypack-"
+TMP_SUFFIX = ".tmp"  # `.<data file name>.tmp`: a data file still being written (pipeline/writer.py)
 HEARTBEAT_S = 10.0
 STALE_S = 60.0  # a lock not touched for this long belongs to a job that is gone
 

@@ -18,6 +18,7 @@ from actors.config import SamplingParams
 from actors.tokenization import ChatTemplateError, encode_chat, encode_texts, render_chat
 from pipeline import dedupe, stage
 from pipeline.config import PromptConfig
+from pipeline.done_ids import DoneIds
 from pipeline.stage import Stage
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -37,18 +38,19 @@ def content_id(row: Mapping[str, Any]) -> str:
 
 class RowIdStage(Stage):
     """Give every row an `id` (the user's id column as text, else a content hash) and drop the
-    rows whose id is in `done_ids` (already in the output: see pipeline/resume.py)."""
+    rows whose id is in `done_ids` (already in the output: see pipeline/resume.py; a
+    `DoneIds`, or any ids, made into one)."""
 
     name = "row ids"
 
     def __init__(
         self,
         id_column: str | None,
-        done_ids: Iterable[str] = (),
+        done_ids: Iterable[str] | DoneIds = (),
         collector=None,  # noqa: ANN001 (actor handle of pipeline.report.StatsCollector)
     ):
         self.id_column = id_column
-        self.done_ids = frozenset(done_ids)
+        self.done_ids = done_ids if isinstance(done_ids, DoneIds) else DoneIds.of(done_ids)
         self.collector = collector
 
     def required_columns(self) -> tuple[str, ...]:

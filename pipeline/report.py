@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline import stage, storage
+from pipeline.id_table import IdTable, content_key
 from pipeline.plan import PlanStats
 
 logger = logging.getLogger(__name__)
@@ -36,21 +37,20 @@ class StatsCollector:
 
     def __init__(self) -> None:
         self._plans: dict[str, PlanStats] = {}
-        # id (dedupe key) -> the partition that claimed it first. Ids are the user's (or
-        # content hashes): about 100 bytes each, so ~1 GB per 10M rows in this actor.
-        self._owner: dict[str, str] = {}
-        # id -> the content hash of the first row read with it (another ~1 GB per 10M rows),
-        # and, for ids read with different content, every version (hash, preview or None).
-        self._first: dict[str, str] = {}
+        # id -> the content hash of the first row read with it, and the partition that
+        # claimed its dedupe key first: 40 bytes per id (pipeline/id_table.py), ~400 MB per
+        # 10M rows in this actor. For ids read with different content, every version (hash,
+        # preview or None).
+        self._ids = IdTable()
         self._versions: dict[str, list[tuple[str, str | None]]] = {}
 
     def register_rows(self, ids: Sequence[str], hashes: Sequence[str]) -> list[bool]:
         """Record each row's id and content hash (the id stage, before the shuffle); for each,
         whether its id now has rows with different content (pipeline/dedupe.py). A retried
         task registers the same pairs again, which changes nothing."""
-        for i, h in zip(ids, hashes, strict=True):
-            first = self._first.setdefault(i, h)
-            if first != h:
+        firsts = self._ids.first_contents(ids, hashes)
+        for i, h, first in zip(ids, hashes, firsts, strict=True):
+            if first != content_key(h):
                 versions = self._versions.setdefault(i, [(first, None)])
                 if all(v != h for v, _ in versions):
                     versions.append((h, None))
@@ -72,7 +72,7 @@ class StatsCollector:
         """For each id, whether `partition` generates it: yes unless another partition
         claimed it first. The plan drops the rest, so an id that appears in two partitions
         (two read blocks, or two rows with one id but different prompts) is written once."""
-        return [self._owner.setdefault(i, partition) == partition for i in ids]
+        return self._ids.claim(partition, ids)
 
     def record_plan(self, key: str, stats: PlanStats) -> None:
         """Store one partition's plan stats."""
@@ -140,30 +140,47 @@ def summarize(
     plan: PlanStats,
     wall_time_s: float,
     rows_skipped: int,
-) -> tuple[Summary, dict[str, list[int]]]:
-    """The summary of the rows in `files`, and the distributions the PNG draws."""
-    import pyarrow as pa
+) -> tuple[Summary, dict[str, Counter[int]]]:
+    """The summary of the rows in `files`, and the distributions the PNG draws (as counts:
+    prompt length -> rows, share degree -> groups). Read one file at a time: a shard's rows
+    are all in one file (pipeline/writer.py), so per-shard and per-group figures add up file
+    by file and the driver's memory does not grow with the rows."""
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    tables = [
-        pq.read_table(storage.resolve(f)[1], columns=_COLUMNS, filesystem=storage.filesystem(f))
-        for f in files
-    ]
-    rows = pa.concat_tables(tables).to_pydict() if tables else {c: [] for c in _COLUMNS}
-    ok = [i for i, e in enumerate(rows[stage.ERROR]) if e is None]
-    prompt_lens = [rows[stage.NUM_PROMPT_TOKENS][i] for i in ok]
-    prompt = sum(prompt_lens)
-    cached = sum(rows[stage.NUM_CACHED_TOKENS][i] for i in ok)
-    generated = sum(rows[stage.NUM_GENERATED_TOKENS][i] for i in ok)
-    degrees = sorted(Counter(rows[stage.PREFIX_GROUP][i] for i in ok).values())
+    n = errors = prompt = cached = generated = padded = 0
+    prompt_lens: Counter[int] = Counter()
+    degrees: Counter[int] = Counter()
+    shards: set[str] = set()
+    for f in files:
+        table = pq.read_table(
+            storage.resolve(f)[1], columns=_COLUMNS, filesystem=storage.filesystem(f)
+        )
+        n += table.num_rows
+        ok = table.filter(pc.is_null(table.column(stage.ERROR)))
+        errors += table.num_rows - ok.num_rows
+        shards.update(table.column(stage.SHARD).unique().to_pylist())
+        lens = ok.column(stage.NUM_PROMPT_TOKENS)
+        prompt += pc.sum(lens).as_py() or 0
+        cached += pc.sum(ok.column(stage.NUM_CACHED_TOKENS)).as_py() or 0
+        generated += pc.sum(ok.column(stage.NUM_GENERATED_TOKENS)).as_py() or 0
+        prompt_lens.update(lens.to_pylist())
+        degrees.update(Counter(ok.column(stage.PREFIX_GROUP).value_counts().field(1).to_pylist()))
+        by_shard = ok.group_by(stage.SHARD).aggregate(
+            [(stage.NUM_PROMPT_TOKENS, "max"), (stage.NUM_PROMPT_TOKENS, "count")]
+        )
+        padded += (
+            pc.sum(
+                pc.multiply(
+                    by_shard.column(f"{stage.NUM_PROMPT_TOKENS}_max").cast("int64"),
+                    by_shard.column(f"{stage.NUM_PROMPT_TOKENS}_count"),
+                )
+            ).as_py()
+            or 0
+        )
     # The plan's count, not the engines' cached tokens: an engine counts a shared prefix as
     # cached for every member, though it computes it once per group.
     saved = plan.planned_saved_tokens
-    by_shard: dict[str, list[int]] = {}
-    for i in ok:
-        by_shard.setdefault(rows[stage.SHARD][i], []).append(rows[stage.NUM_PROMPT_TOKENS][i])
-    padded = sum(max(lens) * len(lens) for lens in by_shard.values())
-    n = len(rows[stage.ERROR])
     wall = max(wall_time_s, 1e-9)
     achieved = saved / plan.prompt_tokens if plan.prompt_tokens else 0.0
     optimal = plan.optimal_saved_tokens / plan.prompt_tokens if plan.prompt_tokens else 0.0
@@ -171,7 +188,7 @@ def summarize(
         output=str(output),
         rows=n,
         rows_skipped=rows_skipped,
-        error_rows=n - len(ok),
+        error_rows=errors,
         prompt_tokens=prompt,
         cached_prompt_tokens=cached,
         generated_tokens=generated,
@@ -182,8 +199,8 @@ def summarize(
         prefix_saving_ratio=round(achieved, 5),
         optimal_saving_ratio=round(optimal, 5),
         saving_vs_optimum=round(achieved / optimal, 5) if optimal > 0 else None,
-        num_shards=len({*rows[stage.SHARD]}),
-        num_shared_groups=sum(1 for d in degrees if d > 1),
+        num_shards=len(shards),
+        num_shared_groups=sum(c for d, c in degrees.items() if d > 1),
         max_share_degree=max(degrees, default=0),
         split_groups=plan.split_groups,
         duplicate_rows=plan.duplicate_rows,
@@ -192,12 +209,14 @@ def summarize(
     distributions = {
         "prompt_lens": prompt_lens,
         "share_degrees": degrees,
-        "tokens": [padded, prompt, prompt - saved],
+        "tokens": Counter({0: padded, 1: prompt, 2: prompt - saved}),
     }
     return summary, distributions
 
 
-def write_report(output: str | Path, summary: Summary, distributions: dict[str, list[int]]) -> None:
+def write_report(
+    output: str | Path, summary: Summary, distributions: dict[str, Counter[int]]
+) -> None:
     """`_summary.json` and `_report.png` in the output folder (local or a URI)."""
     storage.makedirs(output)
     text = json.dumps(asdict(summary), indent=2) + "\n"
@@ -205,23 +224,25 @@ def write_report(output: str | Path, summary: Summary, distributions: dict[str, 
     plot(distributions, storage.join(output, REPORT_FILE))
 
 
-def plot(distributions: dict[str, list[int]], path: str | Path) -> None:
-    """Three panels: prompt-length histogram, share-degree distribution, padding avoided."""
+def plot(distributions: dict[str, Counter[int]], path: str | Path) -> None:
+    """Three panels: prompt-length histogram, share-degree distribution, padding avoided
+    (`distributions` as `summarize` gives them: value -> count)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (lens_ax, share_ax, pad_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
-    lens_ax.hist(distributions["prompt_lens"] or [0], bins=40, color="#4477aa")
+    lens = distributions["prompt_lens"] or Counter({0: 0})
+    lens_ax.hist(list(lens), weights=list(lens.values()), bins=40, color="#4477aa")
     lens_ax.set(title="Prompt lengths", xlabel="prompt tokens", ylabel="rows")
 
-    degrees = Counter(distributions["share_degrees"])
+    degrees = distributions["share_degrees"]
     xs = sorted(degrees)
     share_ax.bar([str(x) for x in xs], [degrees[x] * x for x in xs], color="#228833")
     share_ax.set(title="Share degree", xlabel="rows sharing one prefix", ylabel="rows")
 
-    padded, packed, computed = distributions["tokens"]
+    padded, packed, computed = (distributions["tokens"][k] for k in range(3))
     bars = pad_ax.bar(
         ["padded batches", "packed", "packed, prefix once"],
         [padded, packed, computed],

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import stage, storage
-from pipeline.output import LINEAGE_FILE, LOCK_FILE, STATE_FILE
+from pipeline.done_ids import DoneIds, done_filter  # noqa: F401 (the job's resume filter)
+from pipeline.output import LINEAGE_FILE, LOCK_FILE, STATE_FILE, TMP_SUFFIX
 from pipeline.report import REPORT_FILE, SUMMARY_FILE
 
 logger = logging.getLogger(__name__)
@@ -51,10 +52,23 @@ class OutputState:
     """What an output folder already holds."""
 
     files: tuple[str, ...]  # this job's complete Parquet files
-    done_ids: frozenset[str]
-    removed: tuple[str, ...]  # this job's files cut short by a killed run, deleted
+    removed: tuple[str, ...]  # this job's files cut short (or left open) by a killed run, deleted
     foreign: tuple[str, ...] = ()  # files this job did not write, left alone
     retried: int = 0  # error rows dropped to be generated again (retry_errors)
+    num_done: int = 0  # rows in `files` (from their footers)
+
+    @property
+    def done_ids(self) -> frozenset[str]:
+        """Every id in `files`, read now (for small folders and tests; the job itself
+        filters through `done_filter`, which keeps no id on the driver)."""
+        import pyarrow.parquet as pq
+
+        done: set[str] = set()
+        for path in self.files:
+            fs, inner = storage.resolve(path)
+            table = pq.read_table(inner, columns=[stage.ID], filesystem=fs)
+            done.update(table.column(stage.ID).to_pylist())
+        return frozenset(done)
 
 
 def data_files(output: str | Path, prefix: str | None = None) -> list[str]:
@@ -80,8 +94,8 @@ def scan_output(output: str | Path, prefix: str, retry_errors: bool = False) -> 
     if storage.kind(output) == "file":
         raise ValueError(f"--output {str(output)!r} is a file, not a folder")
     files: list[str] = []
-    removed: list[str] = []
-    done: set[str] = set()
+    removed = _remove_open_files(output, prefix)
+    num_done = 0
     retried = 0
     fs = storage.filesystem(output)
     for path in data_files(output, prefix):
@@ -104,7 +118,7 @@ def scan_output(output: str | Path, prefix: str, retry_errors: bool = False) -> 
                 continue
             if dropped:
                 parquet = pq.ParquetFile(storage.resolve(path)[1], filesystem=fs)
-        done.update(parquet.read(columns=[stage.ID]).column(stage.ID).to_pylist())
+        num_done += parquet.metadata.num_rows
         files.append(path)
     foreign = _foreign(output, prefix)
     if foreign:
@@ -121,8 +135,21 @@ def scan_output(output: str | Path, prefix: str, retry_errors: bool = False) -> 
     if retried:
         logger.info("--retry-errors: %d error rows of %s are generated again", retried, output)
     if files:
-        logger.info("resuming: %d rows already in %d files of %s", len(done), len(files), output)
-    return OutputState(tuple(files), frozenset(done), tuple(removed), tuple(foreign), retried)
+        logger.info("resuming: %d rows already in %d files of %s", num_done, len(files), output)
+    return OutputState(tuple(files), tuple(removed), tuple(foreign), retried, num_done)
+
+
+def _remove_open_files(output: str | Path, prefix: str) -> list[str]:
+    """Delete the job's files a killed run left open (pipeline/writer.py: `.<name>.tmp`, local
+    folders only; on object stores an unclosed file never appears)."""
+    removed = []
+    for name in storage.names(output):
+        if name.startswith(f".{prefix}_") and name.endswith(TMP_SUFFIX):
+            path = storage.join(output, name)
+            logger.warning("removing %s, left open by an earlier run", path)
+            storage.delete(path)
+            removed.append(path)
+    return removed
 
 
 def _drop_error_rows(path: str, parquet) -> int:  # noqa: ANN001 (pyarrow.parquet.ParquetFile)

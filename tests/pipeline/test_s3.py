@@ -206,6 +206,7 @@ def test_s3_job_killed_resumed_and_rerun(ray_cluster, prompt_table, tiny_model_d
         "--sampling-column", "sampling", "--keep-columns", "doc_id",
         "--sampling-columns", "max_tokens",
         "--model", model, "--max-tokens", "24", "--max-rows-per-shard", "2",
+        "--max-rows-per-file", "4",  # files of two shards: the first comes long before the end
         "--num-partitions", "2", "--num-cpus-per-actor", "0.25", "--actor-resource",
         "fake_gpu=1", "--json",
     ]  # fmt: skip
