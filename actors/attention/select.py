@@ -70,7 +70,7 @@ def make_backend(
     """The backend `name` stands for, over `kv_caches` (whose device and dtype decide); with
     `shared_prefix` (`EngineConfig.shared_prefix_attention`) the C kernel's decodes read
     blocks that decodes share once per step, runs of members x keys >= the minimum
-    (`shared_prefix`; float32 only: bfloat16 and the other backends ignore it)."""
+    (`shared_prefix`; the C kernel's float32 and bfloat16: the other backends ignore it)."""
     owned = next(k for k, _ in kv_caches if k.dim() == 4)
     name = resolve_backend(name, owned.device, owned.dtype)
     if name == "varlen":
@@ -79,7 +79,7 @@ def make_backend(
     if name == "cpu_kernel":
         kernel = paged_decode_kernel(owned.device, owned.dtype)
         assert kernel is not None  # resolve_backend checked
-        if shared_prefix and owned.dtype == torch.float32:
+        if shared_prefix:
             decode = SharedPrefixDecodeBackend(kv_caches, kernel, shared_prefix_min_keys)
             return HybridBackend(decode, prefill)
         return HybridBackend(KernelDecodeBackend(kv_caches, kernel), prefill)

@@ -158,7 +158,7 @@ class SharedPrefixDecodeBackend(KernelDecodeBackend):
         heads = q.shape[1]
         scale = dim**-0.5 if scaling is None else scaling
         own = out[rows]  # [n, heads, dim], a view: merged in place
-        lse = q.new_empty(n, heads)
+        lse = q.new_empty(n, heads, dtype=torch.float32)  # float32 in bf16 too (the kernel's)
         self.kernel.run(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, own, lse)
         for run in meta.runs:
             m = len(run.members)

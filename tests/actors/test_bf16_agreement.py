@@ -8,6 +8,7 @@ import torch
 
 from actors import EngineConfig, LLMEngine, SamplingParams
 from actors.agreement import agreement, greedy_targets, teacher_forced
+from actors.attention.kernel import KernelDecodeBackend
 from tests.actors.reference import sample_prompts
 from tests.tiny_models import tiny_model
 
@@ -49,7 +50,7 @@ def engine(tokenizer, dtype: str, arch: str = "llama", **config) -> LLMEngine:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_bfloat16_agrees_with_float32_within_the_bound(tokenizer, prompt_ids, arch) -> None:
     fp32, bf16 = engine(tokenizer, "float32", arch), engine(tokenizer, "bfloat16", arch)
-    assert type(bf16.runner.attention_backend.decode).__name__ == "KernelDecodeBackend"
+    assert isinstance(bf16.runner.attention_backend.decode, KernelDecodeBackend)  # bf16 kernel
     targets = greedy_targets(fp32, prompt_ids, MAX_TOKENS)
     reference = teacher_forced(fp32, prompt_ids, targets)
     result = agreement(reference, teacher_forced(bf16, prompt_ids, targets), targets)

@@ -145,6 +145,28 @@ def test_runs_below_the_minimum_stay_in_each_decodes_own_part() -> None:
     assert not isinstance(plain_meta, SharedPrefixDecodes)
 
 
+def test_merged_attention_in_bfloat16() -> None:
+    """bf16 caches and queries: the kernel's own parts (float32 log-sum-exps) merged with
+    the runs' flash calls, within bf16 rounding of the exact attention of the same inputs."""
+    tables, keys, caches, qkv, batch = decode_step(6, 2, 64, seed=7)
+    caches = [(kc.bfloat16(), vc.bfloat16()) for kc, vc in caches]
+    step = (tables, keys, caches, tuple(t.bfloat16() for t in qkv), batch)
+    merged, prepared = run(True, step)
+    assert isinstance(prepared[0], SharedPrefixDecodes) and len(prepared[0].runs) == 4
+    plain, _ = run(False, step)
+    exact = alone(
+        (
+            tables,
+            keys,
+            [(kc.float(), vc.float()) for kc, vc in caches],
+            tuple(t.float() for t in step[3]),
+            batch,
+        )
+    )
+    torch.testing.assert_close(plain.float(), exact, atol=1e-5, rtol=2**-8)
+    torch.testing.assert_close(merged.float(), exact, atol=2e-2, rtol=2e-2)
+
+
 def test_kernel_log_sum_exp_is_that_of_the_scores() -> None:
     kernel = paged_decode_kernel("cpu", torch.float32)
     assert kernel is not None
