@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -265,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             ]
             for label, reps in runs.items()
         },
+        "timings": {  # per round: (arrival, first token, finished, output tokens) per request
+            label: [[list(astuple(t)) for t in r.timings] for r in reps]
+            for label, reps in runs.items()
+        },
         "controller_budget": {
             label: [(round(t, 3), round(s, 4), b) for t, s, b in reps[0].steps]
             for label, reps in runs.items()
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.png:
         from benchmarks.plot_budget import plot
 
-        plot(args.png, runs, report)
+        plot(args.png, report)
         report["png"] = args.png
     text = json.dumps(report, indent=1)
     if args.out:

@@ -74,3 +74,28 @@ def test_replay_loop_times_every_request(tokenizer, tpot_target_s) -> None:
     assert replay.steps and all(1 <= b <= 64 for _, _, b in replay.steps)
     if tpot_target_s is not None:  # every step over the target: the budget went to its floor
         assert min(b for _, _, b in replay.steps) < 64
+
+
+def test_figure_is_drawn_from_the_json_report(tmp_path) -> None:
+    from benchmarks.plot_budget import plot
+
+    row = {
+        "goodput_req_s": 1.0,
+        "loadavg": [1.0, 1.0],
+        "ttft_p50_s": 0.5,
+        "ttft_p95_s": 2.0,
+        "tpot_p50_s": 0.1,
+        "tpot_p95_s": 0.3,
+    }
+    report = {
+        "model": "tiny",
+        "trace": "head.csv",
+        "rate": 1.5,
+        "duration_s": 30.0,
+        "requests": 45,
+        "slo": {"ttft_s": 2.0, "tpot_s": 0.25},
+        "by_round": {"fixed-128": [row, row], "tpot-250ms": [row, row]},
+        "controller_budget": {"tpot-250ms": [[0.0, 0.3, 512], [0.3, 0.2, 384], [0.5, 0.1, 400]]},
+    }
+    plot(str(tmp_path / "f.png"), report)
+    assert (tmp_path / "f.png").stat().st_size > 10_000
