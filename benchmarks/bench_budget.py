@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "another process ran)",
     )
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
+    p.add_argument(
+        "--simulate", action="store_true", help="add the noise-free model (benchmarks/simulate.py)"
+    )
+    p.add_argument("--sim-fixed-ms", type=float, default=35.0, help="model: ms per step")
+    p.add_argument("--sim-token-ms", type=float, default=1.3, help="model: ms per token")
+    p.add_argument("--sim-request-ms", type=float, default=2.0, help="model: ms per request")
     p.add_argument("--lock", help="hold this file lock (flock) during each replay (or round)")
     p.add_argument(
         "--lock-scope",
@@ -180,6 +186,33 @@ def run_replay(engine: Any, requests: list[TraceRequest], drain_s: float) -> Rep
     return Replay(timings, steps, (load_before, os.getloadavg()[0]))
 
 
+def simulated(
+    args: argparse.Namespace, requests: list[TraceRequest], tpot_slo: float
+) -> dict[str, Any]:
+    """The same comparison on the noise-free engine model (linear step cost, the same
+    decode-first budget and the same controller rule), per configuration."""
+    from benchmarks.simulate import StepCost, simulate
+    from packing.admission import AdmissionConfig
+
+    cost = StepCost(args.sim_fixed_ms / 1e3, args.sim_token_ms / 1e3, args.sim_request_ms / 1e3)
+    out: dict[str, Any] = {"step_cost": asdict(cost), "results": {}}
+    for label, config in configs(args).items():
+        results = simulate(
+            requests,
+            AdmissionConfig(policy="immediate"),
+            cost,
+            token_budget=config.max_num_batched_tokens,
+            step_budget=config.step_budget_config(),
+        )
+        timings = [
+            Timing(r.arrival_s, r.arrival_s + r.ttft_s, r.arrival_s + r.latency_s, r.output_tokens)
+            for r in results
+            if r.ttft_s is not None and r.latency_s is not None
+        ]
+        out["results"][label] = summarise(timings, args.ttft_slo_s, tpot_slo, args.duration)
+    return out
+
+
 def corpus_tokens(path: str, tokenizer: Any) -> list[int]:
     """One long token stream of real text (every Alpaca record's fields, in order)."""
     records = json.loads(Path(path).read_text())
@@ -201,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, torch.float32, "cpu")
+    model = load_model(args.model, torch.float32, "cpu") if args.rounds > 0 else None
     trace = read_trace(Path(args.trace))[args.trace_offset :]
     phase = Phase("replay", args.rate, args.duration)
     requests = build_requests(
@@ -213,16 +246,18 @@ def main(argv: list[str] | None = None) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         max_output_tokens=args.max_output_tokens,
     )
+    tpot_slo = (args.tpot_slo_ms or args.tpot_target_ms) / 1e3
+    modelled = simulated(args, requests, tpot_slo) if args.simulate else None
     engines = {
         label: LLMEngine(config, model=model, tokenizer=tokenizer)
         for label, config in configs(args).items()
+        if args.rounds > 0
     }
     warm = [
         TraceRequest(0.05 * i, r.prompt_token_ids, 4, "warm") for i, r in enumerate(requests[:6])
     ]
     for engine in engines.values():
         run_replay(engine, warm, drain_s=60)
-    tpot_slo = (args.tpot_slo_ms or args.tpot_target_ms) / 1e3
     runs: dict[str, list[Replay]] = {label: [] for label in engines}
     for round_index in range(args.rounds):
         order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
@@ -275,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             if label.startswith("tpot")
         },
     }
-    if args.png:
+    if modelled is not None:
+        report["simulated"] = modelled
+    if args.png and args.rounds > 0:
         from benchmarks.plot_budget import plot
 
         plot(args.png, report)

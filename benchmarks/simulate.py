@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from benchmarks.replay import Result, TraceRequest
 from packing.admission import AdmissionConfig, AdmissionController
+from packing.step_budget import StepBudgetConfig, StepBudgetController
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,12 @@ def simulate(
     *,
     token_budget: int = 512,
     max_running: int = 256,
+    step_budget: StepBudgetConfig | None = None,
 ) -> list[Result]:
-    """Every request's TTFT and latency under `admission` in the modelled engine."""
+    """Every request's TTFT and latency under `admission` in the modelled engine (each step's
+    budget `token_budget`, or set by the TPOT controller `step_budget`)."""
     controller = AdmissionController(admission)
+    budgeter = StepBudgetController(step_budget) if step_budget is not None else None
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
     pending = deque(order)
     staging: deque[_Req] = deque()
@@ -74,7 +78,8 @@ def simulate(
                 break
             now = max(now, min(next_times))
             continue
-        budget = token_budget
+        budget = token_budget if budgeter is None else budgeter.budget(len(running))
+        given = budget
         decodes = running[:budget]
         budget -= len(decodes)
         chunks: list[tuple[_Req, int]] = []
@@ -85,7 +90,10 @@ def simulate(
             chunks.append((req, take))
             budget -= take
         tokens = len(decodes) + sum(n for _, n in chunks)
-        now += cost(tokens, len(decodes) + len(chunks))
+        step_s = cost(tokens, len(decodes) + len(chunks))
+        now += step_s
+        if budgeter is not None:
+            budgeter.observe(step_s, given, tokens, len(decodes))
         ttfts = []
         for req in decodes:
             req.decode_left -= 1

@@ -41,3 +41,24 @@ def test_every_policy_answers_everything_and_immediate_is_never_slower() -> None
     immediate = sorted(x.ttft_s or 0.0 for x in results[0])
     for other in results[1:]:
         assert sum(immediate) <= sum(x.ttft_s or 0.0 for x in other) + 1e-9
+
+
+def test_step_budget_controller_splits_a_prompt_into_smaller_steps() -> None:
+    """The modelled engine runs the same controller: after each step over the target the
+    budget is cut (x 0.75), so a long prompt's prefill takes more, smaller steps."""
+    from packing.step_budget import StepBudgetConfig
+
+    reqs = [request(0.0, 600, 1)]
+    [fixed] = simulate(reqs, AdmissionConfig("immediate"), COST)
+    aimed = StepBudgetConfig(tpot_target_s=0.2, ceiling=512)
+    [controlled] = simulate(reqs, AdmissionConfig("immediate"), COST, step_budget=aimed)
+    assert controlled.ttft_s == pytest.approx(fixed.ttft_s)
+    strict = StepBudgetConfig(tpot_target_s=0.01, ceiling=512)
+    [floored] = simulate(reqs, AdmissionConfig("immediate"), COST, step_budget=strict)
+    # 512, then 384 (88 left): the same two steps' tokens, so the same TTFT
+    assert floored.ttft_s == pytest.approx(fixed.ttft_s)
+    [long] = simulate(
+        [request(0.0, 1500, 1)], AdmissionConfig("immediate"), COST, step_budget=strict
+    )
+    # 512, 384, 288, 216, 100 (the rest): five steps against three with a fixed 512
+    assert long.ttft_s == pytest.approx(5 * 0.05 + 1.5)
