@@ -50,7 +50,7 @@ class EngineConfig:
     # Decodes whose block tables start with the same blocks (a prefix group's shared prefix,
     # at every nesting level, or blocks shared by hash) read those blocks once per step for
     # all of them, merged exactly with their own keys (actors/attention/shared_prefix.py);
-    # with the C kernel (cpu_kernel) in float32 only, the other backends ignore it
+    # with the C kernel (cpu_kernel, float32 or bfloat16) only, the other backends ignore it
     shared_prefix_attention: bool = True
     # ... for a shared run whose members x keys reach this; smaller runs cost more apart
     # (one more call and merge per layer) than read by each member (measured on CPU)
