@@ -39,11 +39,12 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, log
 
 @dataclass(frozen=True)
 class SharedRun:
-    """Blocks `blocks` (the same in every member's table, at the same place) read once for
-    the decodes `members` (their indices among the step's decodes)."""
+    """Blocks `blocks` (the same in each of these decodes' tables, at the same place) read
+    once for the decodes `decodes` (their indices among the step's decodes). A step-level
+    structure of the attention backend, not a prompt group (that is packing.PrefixGroup)."""
 
-    members: torch.Tensor  # [m] int64, m >= 2
-    member_slice: slice | None  # the same members when they are consecutive decodes
+    decodes: torch.Tensor  # [m] int64, m >= 2
+    decode_slice: slice | None  # the same decodes when they are consecutive
     blocks: torch.Tensor | slice  # [num_blocks] block ids, or a slice when consecutive ids
     num_keys: int
 
@@ -125,8 +126,8 @@ class SharedPrefixDecodeBackend(KernelDecodeBackend):
             together = bool((np.diff(rows) == 1).all())
             runs.append(
                 SharedRun(
-                    members=device_tensor(rows.astype(np.int64), self.device),
-                    member_slice=slice(int(rows[0]), int(rows[-1]) + 1) if together else None,
+                    decodes=device_tensor(rows.astype(np.int64), self.device),
+                    decode_slice=slice(int(rows[0]), int(rows[-1]) + 1) if together else None,
                     blocks=slice(int(ids[0]), int(ids[-1]) + 1)
                     if consecutive
                     else device_tensor(ids, self.device),
@@ -161,9 +162,9 @@ class SharedPrefixDecodeBackend(KernelDecodeBackend):
         lse = q.new_empty(n, heads, dtype=torch.float32)  # float32 in bf16 too (the kernel's)
         self.kernel.run(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, own, lse)
         for run in meta.runs:
-            m = len(run.members)
-            sel = run.member_slice
-            q_run = q[sel] if sel is not None else q.index_select(0, run.members)
+            m = len(run.decodes)
+            sel = run.decode_slice
+            q_run = q[sel] if sel is not None else q.index_select(0, run.decodes)
             # [m, heads, dim] -> [1, kv_heads, m * heads_per_kv, dim]: one matrix per kv head
             q_run = q_run.view(m, kv_heads, heads // kv_heads, dim).transpose(0, 1)
             q_run = q_run.reshape(1, kv_heads, -1, dim)
@@ -180,10 +181,10 @@ class SharedPrefixDecodeBackend(KernelDecodeBackend):
             if sel is not None:
                 _merge(own[sel], lse[sel], o_run, lse_run)
             else:
-                o_own, lse_own = own[run.members], lse[run.members]
+                o_own, lse_own = own[run.decodes], lse[run.decodes]
                 _merge(o_own, lse_own, o_run, lse_run)
-                own.index_copy_(0, run.members, o_own)
-                lse.index_copy_(0, run.members, lse_own)
+                own.index_copy_(0, run.decodes, o_own)
+                lse.index_copy_(0, run.decodes, lse_own)
 
 
 def _merge(
