@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-grid", action="store_true", help="the SmolLM2 bar cell only")
     p.add_argument("--no-smollm2", action="store_true", help="the tiny-model grid only")
+    p.add_argument("--no-tiny", action="store_true", help="no engine grid on the tiny model")
     p.add_argument("--lock", default=None, help="flock this file around each cell")
     p.add_argument("--output", default=None, help="write the JSON here")
     p.add_argument("--plot", default=None, help="write the plot (PNG) here")
@@ -285,8 +286,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": args.threads,
     }
     if not args.no_grid:
-        from tests.tiny_models import tiny_model
-
         with held(args.lock):
             result["attention_smollm2_shapes"] = [
                 attention_cell((d, n, q), args.max_tokens)
@@ -294,6 +293,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for n in GRID_DOC_TOKENS
                 for q in GRID_QUESTIONS
             ]
+
+    if not args.no_grid and not args.no_tiny:
+        from tests.tiny_models import tiny_model
 
         model = tiny_model("llama", max_position_embeddings=4096)
         result["grid"] = [
