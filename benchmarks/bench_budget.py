@@ -312,14 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     if modelled is not None:
         report["simulated"] = modelled
+    text = json.dumps(report, indent=1)
+    if args.out:  # before the figure, so a plotting error loses no measurement
+        Path(args.out).write_text(text + "\n")
     if args.png and args.rounds > 0:
         from benchmarks.plot_budget import plot
 
         plot(args.png, report)
-        report["png"] = args.png
-    text = json.dumps(report, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
     if args.json:
         sys.stdout.write(text + "\n")
     return 0
