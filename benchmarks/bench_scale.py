@@ -3,9 +3,10 @@
 For each row count, one job in a fresh subprocess (its own local Ray): `--rows` tiny prompts
 (an id and a few words each), greedy, max_tokens 1 (as cheap per row as the engine allows),
 into a fresh folder. Measured per job: the output files and their rows, every id once, the
-driver's peak RSS (VmHWM of the driver process, Ray started inside it), and the largest RSS
-any Ray worker process reached (sampled every second through psutil, by process title:
-StatsCollector, FileWriter, the engine and tokenizer actors, tasks). JSON out.
+driver's peak RSS (VmHWM of the driver process when the job returns, Ray started inside it),
+and the largest RSS each kind of Ray worker process of that driver reached (sampled every
+second through psutil, by process title: StatsCollector, FileWriter, the engine and tokenizer
+actors, tasks). JSON out.
 
     python benchmarks/bench_scale.py --rows 100000,1000000 --out bench_scale.json
 """
@@ -70,14 +71,20 @@ class WorkerPeaks:
     def _run(self) -> None:
         import psutil
 
+        me = psutil.Process()
         while not self._stop.wait(self.period):
-            for proc in psutil.process_iter(["cmdline", "memory_info"]):
-                cmd = " ".join(proc.info.get("cmdline") or [])
-                if not cmd.startswith("ray::") or proc.info.get("memory_info") is None:
+            # This driver's Ray only (its raylet and workers descend from it): other Ray
+            # sessions on the machine are not ours to count.
+            for proc in me.children(recursive=True):
+                try:
+                    cmd = " ".join(proc.cmdline())
+                    rss = int(proc.memory_info().rss)
+                except psutil.Error:
+                    continue
+                if not cmd.startswith("ray::"):
                     continue
                 title = cmd.split()[0][len("ray::") :]  # e.g. MapWorker(MapBatches(InferStage))
                 title = title[: title.rfind(")") + 1] if ")" in title else title.split(".")[0]
-                rss = int(proc.info["memory_info"].rss)
                 self.peaks[title] = max(self.peaks.get(title, 0), rss)
 
 
@@ -121,12 +128,12 @@ def one_job(rows: int, work: Path, model: Path, args: argparse.Namespace) -> dic
     with WorkerPeaks() as peaks:
         summary = run_job(config)
     elapsed = time.perf_counter() - started
+    with open("/proc/self/status") as status:  # before the checks below add their own
+        hwm = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
     ray.shutdown()
     files = data_files(output)
     counts = [pq.ParquetFile(f).metadata.num_rows for f in files]
     ids = pq.read_table(output, columns=["id"]).column("id")
-    with open("/proc/self/status") as status:
-        hwm = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
     return {
         "rows": rows,
         "wall_s": round(elapsed, 1),
@@ -148,7 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="100000,1000000", help="row counts, comma-separated")
     parser.add_argument("--rows-per-shard", type=int, default=256)
     parser.add_argument(
-        "--rows-per-partition", type=int, default=100_000, help="shuffle partition size"
+        "--rows-per-partition",
+        type=int,
+        default=50_000,
+        help="rows per shuffle partition (the job's default goes by input bytes, 64 MiB, which "
+        "would put a million tiny rows in one partition)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--cpus", type=int, default=2)

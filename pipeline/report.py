@@ -13,9 +13,11 @@ import io
 import json
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import pyarrow as pa
 
 from pipeline import stage, storage
 from pipeline.id_table import IdTable, content_key
@@ -142,20 +144,16 @@ def summarize(
     rows_skipped: int,
 ) -> tuple[Summary, dict[str, Counter[int]]]:
     """The summary of the rows in `files`, and the distributions the PNG draws (as counts:
-    prompt length -> rows, share degree -> groups). Read one file at a time: a shard's rows
-    are all in one file (pipeline/writer.py), so per-shard and per-group figures add up file
-    by file and the driver's memory does not grow with the rows."""
+    prompt length -> rows, share degree -> groups). Read a row group at a time: a shard's
+    rows are all in one (pipeline/writer.py), so per-shard and per-group figures add up group
+    by group and the driver's memory does not grow with the rows."""
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     n = errors = prompt = cached = generated = padded = 0
     prompt_lens: Counter[int] = Counter()
     degrees: Counter[int] = Counter()
     shards: set[str] = set()
-    for f in files:
-        table = pq.read_table(
-            storage.resolve(f)[1], columns=_COLUMNS, filesystem=storage.filesystem(f)
-        )
+    for table in _row_groups(files):
         n += table.num_rows
         ok = table.filter(pc.is_null(table.column(stage.ERROR)))
         errors += table.num_rows - ok.num_rows
@@ -164,7 +162,9 @@ def summarize(
         prompt += pc.sum(lens).as_py() or 0
         cached += pc.sum(ok.column(stage.NUM_CACHED_TOKENS)).as_py() or 0
         generated += pc.sum(ok.column(stage.NUM_GENERATED_TOKENS)).as_py() or 0
-        prompt_lens.update(lens.to_pylist())
+        counts = lens.value_counts()
+        values, times = counts.field(0).to_pylist(), counts.field(1).to_pylist()
+        prompt_lens.update(dict(zip(values, times, strict=True)))
         degrees.update(Counter(ok.column(stage.PREFIX_GROUP).value_counts().field(1).to_pylist()))
         by_shard = ok.group_by(stage.SHARD).aggregate(
             [(stage.NUM_PROMPT_TOKENS, "max"), (stage.NUM_PROMPT_TOKENS, "count")]
@@ -212,6 +212,18 @@ def summarize(
         "tokens": Counter({0: padded, 1: prompt, 2: prompt - saved}),
     }
     return summary, distributions
+
+
+def _row_groups(files: Sequence[str | Path]) -> Iterator[pa.Table]:
+    """The report's columns of `files`, a row group at a time: the writers flush whole shards
+    into a row group (pipeline/writer.py), so shards and their groups are never cut."""
+    import pyarrow.parquet as pq
+
+    for f in files:
+        with storage.open_input(f) as handle:
+            parquet = pq.ParquetFile(handle)
+            for i in range(parquet.num_row_groups):
+                yield parquet.read_row_group(i, columns=_COLUMNS)
 
 
 def write_report(
