@@ -53,8 +53,8 @@ class EngineConfig:
     # with the C kernel (cpu_kernel, float32 or bfloat16) only, the other backends ignore it
     shared_prefix_attention: bool = True
     # ... for a shared run whose members x keys reach this; smaller runs cost more apart
-    # (one more call and merge per layer) than read by each member (measured on CPU)
-    shared_prefix_min_keys: int = 2048
+    # (one more call and merge per layer) than read by each member (docs/benchmarks.md)
+    shared_prefix_min_keys: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     tensor_parallel_size: int = 1  # workers per pipeline stage, each with 1/tp of heads and MLP
