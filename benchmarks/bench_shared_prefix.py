@@ -251,24 +251,30 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [4, 4, 1.3]})
-    panels = (
-        ("attention_smollm2_shapes", "speedup", "one layer's decode attention, SmolLM2 shapes"),
-        ("grid", "decode_speedup_on_vs_off", "tiny llama engine (2 layers): decode tokens/s"),
-    )
-    for ax, (key, field, title) in zip(axes[:2], panels, strict=True):
-        cells = result.get(key, [])
+    panels = [
+        (key, field, title)
+        for key, field, title in (
+            ("attention_smollm2_shapes", "speedup", "one layer's decode attention, SmolLM2 shapes"),
+            ("grid", "decode_speedup_on_vs_off", "tiny llama engine (2 layers): decode tokens/s"),
+        )
+        if result.get(key)
+    ]
+    bar = result.get("smollm2_bar")
+    widths = [4] * len(panels) + ([1.3] if bar else [])
+    fig, axes = plt.subplots(1, len(widths), figsize=(4 * sum(widths) / 1.3, 4.5), squeeze=False)
+    for ax, (key, field, title) in zip(axes[0], panels, strict=False):
+        cells = result[key]
         labels = [f"{c['docs']}x{c['doc_tokens']}\n{c['questions']}q" for c in cells]
         ax.bar(range(len(cells)), [c[field] for c in cells], color="C2")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(range(len(cells)), labels, fontsize=5)
         ax.set_ylabel("on / off")
         ax.set_title(title + " (docs x tokens, questions each)", fontsize=9)
-    bar = result.get("smollm2_bar")
     if bar:
-        axes[2].bar(METHODS, [bar[m]["decode_tokens_per_s"] for m in METHODS], color="C0")
-        axes[2].set_ylabel("decode tokens/s")
-        axes[2].set_title(
+        last = axes[0][-1]
+        last.bar(METHODS, [bar[m]["decode_tokens_per_s"] for m in METHODS], color="C0")
+        last.set_ylabel("decode tokens/s")
+        last.set_title(
             f"SmolLM2-135M, 1 x 1,000, 16 q\non / off {bar['decode_speedup_on_vs_off']:.2f}x",
             fontsize=9,
         )
