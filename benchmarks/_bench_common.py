@@ -7,7 +7,9 @@ reports medians; ratios are only taken between methods of the same run.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import gzip
 import json
 import os
@@ -15,7 +17,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,3 +230,18 @@ def emit(result: dict[str, Any], as_json: bool, path: str | None) -> None:
 def log(message: str) -> None:
     """Progress on stderr (stdout carries the JSON)."""
     print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def held(lock: str | None) -> Iterator[None]:
+    """Hold `lock`'s flock for the block, so timed work never overlaps another benchmark or
+    test run that takes the same lock (nothing without a path)."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -17,13 +17,11 @@ pooled and per round), and the controller's budget per step.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import logging
 import os
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._bench_common import held  # noqa: E402
 from benchmarks.replay import Phase, TraceRequest, build_requests, read_trace  # noqa: E402
 from benchmarks.slo import Timing, summarise  # noqa: E402
 
@@ -111,20 +110,6 @@ def configs(args: argparse.Namespace) -> dict[str, Any]:
     label = f"tpot-{args.tpot_target_ms:g}ms (ceiling {args.ceiling})"
     out[label] = engine(args.ceiling, tpot_target_s=args.tpot_target_ms / 1e3)
     return out
-
-
-@contextmanager
-def held(path: str | None):  # type: ignore[no-untyped-def]
-    """Hold `path`'s flock for the block (nothing without a path)."""
-    if path is None:
-        yield
-        return
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def run_replay(engine: Any, requests: list[TraceRequest], drain_s: float) -> Replay:

@@ -29,21 +29,18 @@ questions) on the embedded SmolLM2-135M. With `--lock` each cell holds that file
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import gzip
 import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import _bench_common as common
 import numpy as np
 import torch
-from _bench_common import ALPACA_FILE, DATA_DIR, HH_FILE
+from _bench_common import ALPACA_FILE, DATA_DIR, HH_FILE, held
 
 from actors import EngineConfig, LLMEngine, SamplingParams, loader
 from packing.prefix import PrefixGroup
@@ -130,20 +127,6 @@ def run_once(engine: LLMEngine, prompts, groups, max_tokens: int) -> dict[str, A
         "decode_step_ms_median": 1e3 * statistics.median(s for s, _ in decode_steps),
         "decode_steps": len(decode_steps),
     }
-
-
-@contextlib.contextmanager
-def held(lock: str | None) -> Iterator[None]:
-    """The timing lock around one cell (none without `--lock`)."""
-    if lock is None:
-        yield
-        return
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def cell(model: Any, tokenizer: Any, shape: tuple[int, int, int], args) -> dict[str, Any]:
