@@ -1,12 +1,11 @@
 """How the README's test command (`pytest -n 2 -p tests.xdist_groups`) splits the suite over
-two pytest-xdist workers. The offline job's tests (tests/pipeline, one package-scoped local Ray
-cluster) are most of the suite's time, so most of them run in one worker; the rest of the
-suite (the engine, packing and benchmark tests, the tensor/pipeline-parallel tests, a few of
-the job's heaviest modules, then the Serve tests) in the other, in collection order, so that
-worker's Ray clusters still come one after another (parallel's, the job's, Serve's). Measured
-on the 2-core box (2026-11-24): every Ray test in one worker ran 864 s of tests while the other
-worker was done after about 100 s; tests/pipeline alone in one worker, 839 s.
-Each worker's Ray is its own local cluster (its own temp dir and ports), so two run at once.
+two pytest-xdist workers: the offline job's tests (tests/pipeline, each starting or joining a
+local Ray cluster, one after another) in one worker, everything else (the engine, packing and
+benchmark tests, then the tensor/pipeline-parallel and Serve tests, which start their own Ray)
+in the other, meanwhile. Measured on the 2-core box (2026-11-24): the pipeline tests are about
+half of the suite's time and the rest the other half, where the earlier split (every Ray test
+in one worker) left the second worker idle after two minutes of a fourteen-minute run. Each
+worker's Ray is its own local cluster (its own temp dir and ports), so two can run at once.
 
 A scheduler rather than `xdist_group` marks: pytest 9.2 builds a node id from `Node._id`, so
 `--dist loadgroup` (xdist 3.8 rewrites `item._nodeid`) no longer groups anything.
@@ -18,18 +17,9 @@ from typing import Any
 
 from xdist.scheduler import LoadScopeScheduling
 
-# The job's tests, in a worker of their own but for the modules in WITH_THE_REST (about a
-# quarter of the folder's time, from one run's slowest-test durations).
-JOB_FOLDER = "pipeline"
-WITH_THE_REST = frozenset(
-    {
-        "test_s3.py",
-        "test_parallel_job.py",
-        "test_processor.py",
-        "test_processor_retry.py",
-        "test_restart_limit.py",
-    }
-)
+# The test folder run in a worker of its own (the job's tests: a local cluster, or jobs that
+# join one, one package-scoped cluster for the folder).
+OWN_WORKER = ("pipeline",)
 
 
 class JobTestsApart(LoadScopeScheduling):
@@ -37,8 +27,7 @@ class JobTestsApart(LoadScopeScheduling):
 
     def _split_scope(self, nodeid: str) -> str:
         parts = nodeid.split("/")
-        in_job = len(parts) > 2 and parts[1] == JOB_FOLDER
-        return "job" if in_job and parts[2].split("::")[0] not in WITH_THE_REST else "rest"
+        return "job" if len(parts) > 2 and parts[1] in OWN_WORKER else "rest"
 
 
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> JobTestsApart:
