@@ -161,6 +161,9 @@ class SharedPrefixDecodeBackend(KernelDecodeBackend):
         own = out[rows]  # [n, heads, dim], a view: merged in place
         lse = q.new_empty(n, heads, dtype=torch.float32)  # float32 in bf16 too (the kernel's)
         self.kernel.run(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, own, lse)
+        # The merges in float32 (as flash-attention's and vLLM's merges run), rounded to the
+        # model's dtype once at the end: in bfloat16 each run's merge would round it again.
+        acc = own if own.dtype == torch.float32 else own.float()
         for run in meta.runs:
             m = len(run.decodes)
             sel = run.decode_slice
@@ -179,20 +182,23 @@ class SharedPrefixDecodeBackend(KernelDecodeBackend):
             o_run = o_run[0].reshape(kv_heads, m, -1, dim).transpose(0, 1).reshape(m, heads, dim)
             lse_run = lse_run[0].reshape(kv_heads, m, -1).transpose(0, 1).reshape(m, heads)
             if sel is not None:
-                _merge(own[sel], lse[sel], o_run, lse_run)
+                _merge(acc[sel], lse[sel], o_run, lse_run)
             else:
-                o_own, lse_own = own[run.decodes], lse[run.decodes]
+                o_own, lse_own = acc[run.decodes], lse[run.decodes]
                 _merge(o_own, lse_own, o_run, lse_run)
-                own.index_copy_(0, run.decodes, o_own)
+                acc.index_copy_(0, run.decodes, o_own)
                 lse.index_copy_(0, run.decodes, lse_own)
+        if acc is not own:
+            own.copy_(acc)
 
 
 def _merge(
     o: torch.Tensor, lse: torch.Tensor, o_more: torch.Tensor, lse_more: torch.Tensor
 ) -> None:
     """Attention over two disjoint key sets merged in place into (o, lse): `o` `[m, heads,
-    dim]` and `lse` `[m, heads]` become those of the union."""
+    dim]` and `lse` `[m, heads]` (both float32) become those of the union; `o_more` in any
+    dtype (a bfloat16 run's flash output is widened here, not `o` narrowed)."""
     total = torch.logaddexp(lse, lse_more)
     o.mul_(torch.exp(lse - total).unsqueeze(-1))
-    o.add_(o_more * torch.exp(lse_more - total).unsqueeze(-1))
+    o.add_(o_more.float() * torch.exp(lse_more - total).unsqueeze(-1))
     lse.copy_(total)
