@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,9 +45,9 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Blocks with no reference, oldest first: allocation takes (and evicts) from the front.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.blocks = _Blocks(num_blocks)
+        # Blocks with no reference: allocation takes (and evicts) from the front.
+        self._free = _FreeQueue(num_blocks)
         self._hash_to_block: dict[int, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
 
@@ -138,10 +139,8 @@ class KVCacheManager:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    # Nothing to revive: reuse it before blocks that cache a prefix.
-                    self._free.move_to_end(block_id, last=False)
+                # Nothing to revive: reuse it before blocks that cache a prefix.
+                self._free.push(block_id, front=block.block_hash is None)
         request.block_ids = []
         request.num_hashed_blocks = 0
 
@@ -152,19 +151,18 @@ class KVCacheManager:
         if len(self._free) != len(self.blocks):
             return False
         self._hash_to_block.clear()
-        for block in self.blocks:
-            block.block_hash = None
-        self._free = OrderedDict((i, None) for i in range(len(self.blocks)))
+        self.blocks = _Blocks(len(self.blocks))
+        self._free = _FreeQueue(len(self.blocks))
         return True
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self._free[block_id]
+            self._free.remove(block_id)
         block.ref_count += 1
 
     def _pop_free(self) -> int:
-        block_id, _ = self._free.popitem(last=False)
+        block_id = self._free.pop()
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict the cached prefix it held
             if self._hash_to_block.get(block.block_hash) == block_id:
@@ -172,6 +170,69 @@ class KVCacheManager:
             block.block_hash = None
         block.ref_count = 1
         return block_id
+
+
+class _Blocks:
+    """The pool's `Block`s by id, each made on first use: a pool sized by memory can have
+    hundreds of thousands of blocks (a tiny model in 1 GB), and making them all up front cost
+    a second of every engine's start-up."""
+
+    def __init__(self, num_blocks: int):
+        self._num_blocks = num_blocks
+        self._made: dict[int, Block] = {}
+
+    def __len__(self) -> int:
+        return self._num_blocks
+
+    def __getitem__(self, block_id: int) -> Block:
+        block = self._made.get(block_id)
+        if block is None:
+            if not 0 <= block_id < self._num_blocks:
+                raise IndexError(f"block {block_id} is not in a pool of {self._num_blocks}")
+            block = self._made[block_id] = Block(block_id)
+        return block
+
+
+class _FreeQueue:
+    """Blocks no request holds, in the order allocation takes them: blocks freed without a
+    cached prefix (most recent first), then the never-used blocks in id order, then blocks
+    that cache a prefix (least recently freed first, so the oldest prefix is evicted first).
+
+    The never-used blocks are a range, not entries: one `OrderedDict` holding every id of a
+    large pool cost a noticeable part of an engine's start-up."""
+
+    def __init__(self, num_blocks: int):
+        self._front: OrderedDict[int, None] = OrderedDict()
+        self._next_unused = 0
+        self._num_blocks = num_blocks
+        self._back: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._front) + self._num_blocks - self._next_unused + len(self._back)
+
+    def push(self, block_id: int, front: bool) -> None:
+        """Queue a block whose last reference was dropped."""
+        if front:
+            self._front[block_id] = None
+            self._front.move_to_end(block_id, last=False)
+        else:
+            self._back[block_id] = None
+
+    def pop(self) -> int:
+        """Take the first block in allocation order."""
+        if self._front:
+            return self._front.popitem(last=False)[0]
+        if self._next_unused < self._num_blocks:
+            self._next_unused += 1
+            return self._next_unused - 1
+        return self._back.popitem(last=False)[0]
+
+    def remove(self, block_id: int) -> None:
+        """Take a cached block out of the queue (it is being revived)."""
+        if block_id in self._back:
+            del self._back[block_id]
+        else:
+            del self._front[block_id]
 
 
 def hash_block(parent: int | None, tokens: Sequence[int]) -> int:
@@ -201,8 +262,14 @@ def allocate_kv_tensors(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k, v), each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
-    storage = torch.zeros(
-        (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-    )
+    """Per layer (k, v), each `[num_blocks, block_size, num_kv_heads, head_dim]`, zeroed."""
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":
+        # numpy's zeros is calloc: the pages come zeroed from the kernel on first touch, so a
+        # pool costs memory and time only for the blocks used. torch.zeros writes every page
+        # at start-up (2 s for 1 GB on this machine, the whole pool resident from then on).
+        raw = np.zeros(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), np.uint8)
+        storage = torch.from_numpy(raw).view(dtype).view(shape)
+    else:
+        storage = torch.zeros(shape, dtype=dtype, device=device)
     return [(storage[layer, 0], storage[layer, 1]) for layer in range(num_layers)]

@@ -1,8 +1,14 @@
-"""The KV cache manager's chained block hashes: incremental, and the planner's hashes."""
+"""The KV cache manager's chained block hashes (incremental, and the planner's hashes), its free
+queue's order and the pool's tensors."""
 
 from __future__ import annotations
 
+import random
+from collections import OrderedDict
+from pathlib import Path
+
 import pytest
+import torch
 
 from actors import SamplingParams, kv_cache
 from actors.kv_cache import KVCacheManager, hash_block
@@ -81,3 +87,66 @@ def test_engine_reset_prefix_cache_starts_the_next_batch_cold(make_engine) -> No
     assert cold.token_ids == warm.token_ids == first.token_ids
     engine.add_request(prompt, params)
     assert engine.reset_prefix_cache() is False  # a request is unfinished
+
+
+class _ReferenceQueue:
+    """The free queue as one OrderedDict of every id (what the pool kept before its unused
+    blocks became a range): hashless frees at the front, cached ones at the back."""
+
+    def __init__(self, num_blocks: int):
+        self.free = OrderedDict((i, None) for i in range(num_blocks))
+
+    def push(self, block_id: int, front: bool) -> None:
+        self.free[block_id] = None
+        if front:
+            self.free.move_to_end(block_id, last=False)
+
+    def pop(self) -> int:
+        return self.free.popitem(last=False)[0]
+
+
+def test_blocks_are_taken_in_the_same_order_as_with_one_queue_of_every_id() -> None:
+    rng = random.Random(0)
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    reference = _ReferenceQueue(64)
+    held: list[Request] = []
+    for step in range(400):
+        if held and (rng.random() < 0.45 or kv.num_free_blocks < 8):
+            request = held.pop(rng.randrange(len(held)))
+            for block_id in reversed(request.block_ids):  # as `free` drops them
+                if kv.blocks[block_id].ref_count == 1:
+                    reference.push(block_id, front=kv.blocks[block_id].block_hash is None)
+            kv.free(request)
+            continue
+        request = Request(
+            f"r{step}", [rng.randrange(3) for _ in range(rng.randint(1, 12))], SamplingParams()
+        )
+        shared = kv.find_cached_blocks(request)  # revived from the queue if nobody holds them
+        for block_id in shared:
+            if kv.blocks[block_id].ref_count == 0:
+                del reference.free[block_id]
+        fresh = kv.allocate(request, request.num_tokens, shared)
+        assert fresh == [reference.pop() for _ in fresh]
+        if rng.random() < 0.5:  # some requests publish their full blocks as a cached prefix
+            request.num_computed_tokens = request.num_tokens
+            kv.cache_full_blocks(request)
+        held.append(request)
+        assert kv.num_free_blocks == len(reference.free)
+
+
+def test_the_kv_pool_is_zeroed_and_resident_only_where_used() -> None:
+    def rss_bytes() -> int:
+        status = Path("/proc/self/status").read_text()
+        return (
+            int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+            * 1024
+        )
+
+    before = rss_bytes()
+    layers = kv_cache.allocate_kv_tensors(4, 4096, 16, 8, 64, torch.float32, "cpu")  # 512 MiB
+    assert rss_bytes() - before < 64 * 2**20  # not written up front
+    k, v = layers[3]
+    assert k.shape == v.shape == (4096, 16, 8, 64) and k.dtype == torch.float32
+    assert not k[-1].any() and not v[123].any()
+    k[7] = 1.0
+    assert k[7].all() and not layers[2][0][7].any() and not v[7].any()
