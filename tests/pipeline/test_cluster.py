@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -156,15 +157,24 @@ def test_bad_input_fails_fast_naming_the_columns(prompt_table, tmp_path, capsys,
 
 
 @pytest.mark.timeout(120)
-def test_jsonl_csv_and_hf_inputs_read_with_ids(ray_cluster, tmp_path):
+def test_parquet_jsonl_csv_and_hf_inputs_read_with_ids(ray_cluster, tmp_path):
+    import ray.data
+
     table = [r for r in rows() if r["document"]][:5]
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "t.parquet")
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in table))
     (tmp_path / "t.csv").write_text(
         "id,query\n" + "".join(f"{r['id']},{r['query']}\n" for r in table)
     )
     datasets.Dataset.from_list(table).save_to_disk(str(tmp_path / "hf"))
-    for name in ("t.jsonl", "t.csv", "hf"):
+    context = ray.data.DataContext.get_current()
+    assert context.use_datasource_v2  # Ray's default, which the job's read sets aside
+    for name in ("t.parquet", "t.jsonl", "t.csv", "hf"):
         source = resolve_input(InputConfig(str(tmp_path / name)))
         ds = read_dataset(source, None, num_cpus=0.25, rows_per_block=2)
-        got = ds.map_batches(RowIdStage("id"), batch_format="pyarrow", batch_size=None).take_all()
-        assert sorted(r["id"] for r in got) == sorted(r["id"] for r in table), name
+        got = ds.map_batches(RowIdStage("id"), batch_format="pyarrow", batch_size=None)
+        got = got.materialize()
+        assert sorted(got.to_pandas()["id"]) == sorted(r["id"] for r in table), name
+        if name == "t.parquet":  # V1's reader: no ListFiles operator and its 32 footer actors
+            assert "ReadParquet" in got.stats() and "ListFiles" not in got.stats()
+    assert context.use_datasource_v2  # the user's setting is left as it was
