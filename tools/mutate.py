@@ -86,8 +86,11 @@ MUTATIONS = [
     Mutation("resume: done rows kept", "pipeline/prompts.py",
              "keep = [i not in self.done_ids for i in ids]", "keep = [True for i in ids]", RESUME),
     Mutation("resume: cut files kept", "pipeline/resume.py",
-             "            storage.delete(path)\n            removed.append(path)\n",
-             "            removed.append(path)\n", RESUME),
+             "            storage.delete(path)\n            removed.append(path)\n            continue\n",
+             "            removed.append(path)\n            continue\n", RESUME),
+    Mutation("resume: files left open kept", "pipeline/resume.py",
+             "            storage.delete(path)\n            removed.append(path)\n    return removed\n",
+             "            removed.append(path)\n    return removed\n", RESUME),
     # penalties
     Mutation("penalties: presence paid per use", "actors/penalties.py",
              "pres[:, None] * (counts > 0).to(sub.dtype)", "pres[:, None] * counts", PENALTIES),

@@ -83,11 +83,19 @@ def test_scan_output_reads_ids_and_removes_only_its_own_cut_files(tmp_path):
     whole = (tmp_path / f"{prefix}_w1_1-0.parquet").read_bytes()
     (tmp_path / f"{prefix}_w1_2-0.parquet").write_bytes(whole[: len(whole) // 2])  # a killed write
     (tmp_path / "users-own.parquet").write_bytes(whole[: len(whole) // 2])  # not this job's
+    open_file = tmp_path / f".{prefix}_w1_3-0.parquet.tmp"  # a writer killed with it open
+    open_file.write_bytes(whole[: len(whole) // 2])
+    others_open = tmp_path / ".raypack-other_w1_3-0.parquet.tmp"  # another job's, still open
+    others_open.write_bytes(whole)
     pq.write_table(pa.table({"id": ["z"]}), tmp_path / "raypack-other_w1_0-0.parquet")
     (tmp_path / "_summary.json").write_text("{}")
     state = scan_output(tmp_path, prefix)
     assert state.done_ids == {"a", "b", "c"}
-    assert [p.rsplit("/", 1)[1] for p in state.removed] == [f"{prefix}_w1_2-0.parquet"]
+    assert [p.rsplit("/", 1)[1] for p in state.removed] == [
+        open_file.name,
+        f"{prefix}_w1_2-0.parquet",
+    ]
+    assert not open_file.exists() and others_open.exists()
     assert state.foreign == ("raypack-other_w1_0-0.parquet", "users-own.parquet")
     assert (tmp_path / "users-own.parquet").exists()
     assert len(data_files(tmp_path, prefix)) == 2
