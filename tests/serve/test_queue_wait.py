@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import pytest
 
@@ -130,7 +129,6 @@ def test_a_shed_request_is_a_429_with_retry_after() -> None:
         await until(lambda: engine.steps == 1, "the first request's step")
         second = asyncio.create_task(post(api, "/v1/completions", body))
         await until(lambda: loop.num_waiting == 1, "the second request in the queue")
-        started = time.monotonic()
         await asyncio.sleep(WAIT_S * 1.5)
         gate.set()
         status, headers, answer = await second
@@ -138,7 +136,6 @@ def test_a_shed_request_is_a_429_with_retry_after() -> None:
         assert headers["retry-after"] == "2"
         assert answer["error"]["code"] == "rate_limit_exceeded"
         assert "waited" in answer["error"]["message"], answer
-        assert time.monotonic() - started < 10  # answered, not held (a hang guard, not a timing)
         assert (await first)[0] == 200
         await loop.stop()
 
