@@ -167,6 +167,11 @@ def cell(model: Any, tokenizer: Any, shape: tuple[int, int, int], args) -> dict[
     result["decode_speedup_on_vs_off"] = (
         result["on"]["decode_tokens_per_s"] / result["off"]["decode_tokens_per_s"]
     )
+    # Median step against median step: a few stalled steps (other processes on the box)
+    # move decode tokens/s (a sum over the steps) but not this.
+    result["decode_step_speedup_on_vs_off"] = (
+        result["off"]["decode_step_ms_median"] / result["on"]["decode_step_ms_median"]
+    )
     result["speedup_on_vs_off"] = result["off"]["wall_s"] / result["on"]["wall_s"]
     result["speedup_on_vs_no_groups"] = result["no_groups"]["wall_s"] / result["on"]["wall_s"]
     print(json.dumps({k: v for k, v in result.items()}, default=float), file=sys.stderr)
@@ -297,7 +302,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = loader.load_model("smollm2", torch.float32, "cpu")
         bar = cell(model, tokenizer, BAR, args)
         bar["meets_bar"] = (
-            bar["decode_speedup_on_vs_off"] >= BAR_SPEEDUP and bar["on"]["identical_to_off"]
+            min(bar["decode_speedup_on_vs_off"], bar["decode_step_speedup_on_vs_off"])
+            >= BAR_SPEEDUP
+            and bar["on"]["identical_to_off"]
         )
         result["smollm2_bar"] = bar
     if args.output:
