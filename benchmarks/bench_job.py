@@ -120,9 +120,17 @@ def step_recording_stage(path: Path) -> type[InferStage]:
             engine = super()._new_engine()
             self.steps: list[tuple[float, int, int, float]] = []
             self.shards_done: list[float] = []
+            self.actor: dict[str, Any] = {}
             step = engine.step
 
             def recorded():  # noqa: ANN202
+                if not self.actor:  # the stepping thread, as it runs the first step
+                    import torch
+
+                    self.actor = {
+                        "torch_threads": torch.get_num_threads(),
+                        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+                    }
                 started = time.perf_counter()
                 outputs = step()
                 s = engine.scheduler
@@ -139,7 +147,11 @@ def step_recording_stage(path: Path) -> type[InferStage]:
             table = super().run_shard(shard)
             self.shards_done.append(time.perf_counter())
             with self.dump_lock:
-                record = {"steps": list(self.steps), "shards_done": list(self.shards_done)}
+                record = {
+                    "steps": list(self.steps),
+                    "shards_done": list(self.shards_done),
+                    "actor": self.actor,
+                }
                 path.write_text(json.dumps(record))
             return table
 
@@ -164,7 +176,11 @@ def operator_spans(ds: Any) -> dict[str, list[float]]:
 
 
 def run_one_job(
-    table: Path, output: Path, shard_size: int, params: SamplingParams, steps_file: Path
+    table: Path,
+    output: Path,
+    shard_size: int,
+    params: SamplingParams,
+    steps_file: Path,
 ) -> dict[str, Any]:
     """One job on a fresh local Ray; its wall time, breakdown, engine steps and outputs."""
     import ray
@@ -184,13 +200,16 @@ def run_one_job(
         compute=ComputeConfig(),
     )
     spans: dict[str, list[float]] = {}
+    marks: dict[str, float] = {}
+
+    def written(ds: Any) -> None:
+        marks["written"] = time.perf_counter()
+        spans.update(operator_spans(ds))
+
     ray_up = time.perf_counter()
     try:
-        summary = run_job(
-            config,
-            infer_cls=step_recording_stage(steps_file),
-            on_written=lambda ds: spans.update(operator_spans(ds)),
-        )
+        summary = run_job(config, infer_cls=step_recording_stage(steps_file), on_written=written)
+        returned = time.perf_counter()
     finally:
         ray.shutdown()
     ended = time.perf_counter()
@@ -214,10 +233,14 @@ def run_one_job(
             "engine_steps_span": round(last_step - first_step, 2),
             "engine_step_s": round(step_s, 2),
             "after_last_step": round(ended - last_step, 2),  # last write, summary, report
+            "last_step_to_written": round(marks["written"] - last_step, 2),
+            "written_to_return": round(returned - marks["written"], 2),  # summary, report
+            "ray_shutdown": round(ended - returned, 2),
         },
         "rows": out.num_rows,
         "summary_rows": summary.rows,
         "steps": len(steps["steps"]),
+        "stepping_thread": steps["actor"],
         "running_per_step": [s[1] for s in steps["steps"]],
         "step_times": [round(s[0] - first_step, 3) for s in steps["steps"]],
         "shards_done": [round(t - first_step, 3) for t in steps["shards_done"]],
@@ -236,8 +259,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="engine alone")
     parser.add_argument("--steps-file", help="write running sequences per step (JSON) here")
     parser.add_argument("--plot", help="draw running sequences per step to this PNG")
+    parser.add_argument("--json", help="write the JSON report to this file (too)")
+    parser.add_argument(
+        "--no-alone", action="store_true", help="the job only (no ratios): for long plot runs"
+    )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.shard_sizes.split(",")]
+
     rows = alpaca_messages(args.num_prompts, args.seed)
     params = SamplingParams(max_tokens=args.max_tokens)  # temperature 0: greedy
     work = Path(tempfile.mkdtemp(prefix="bench-job-"))
@@ -249,21 +277,25 @@ def main(argv: list[str] | None = None) -> None:
         table,
     )
     alone_runs: list[dict] = []
-    jobs: dict[int, list[dict]] = {s: [] for s in sizes}
+    jobs: dict[str, list[dict]] = {str(s): [] for s in sizes}
     try:
         for rep in range(args.repeats):
-            alone_runs.append(engine_alone(rows, params, args.threads))
-            print(f"rep {rep}: engine alone {alone_runs[-1]['generate_s']} s", file=sys.stderr)
+            if not args.no_alone:
+                alone_runs.append(engine_alone(rows, params, args.threads))
+                print(f"rep {rep}: engine alone {alone_runs[-1]['generate_s']} s", file=sys.stderr)
             for size in sizes:
-                out = work / f"out-{size}-{rep}"
-                jobs[size].append(run_one_job(table, out, size, params, work / "steps.json"))
-                print(f"rep {rep}: job {size} {jobs[size][-1]['wall_s']} s", file=sys.stderr)
+                key, out = str(size), work / f"out-{size}-{rep}"
+                jobs[key].append(run_one_job(table, out, size, params, work / "steps.json"))
+                print(f"rep {rep}: job {key} {jobs[key][-1]['wall_s']} s", file=sys.stderr)
                 shutil.rmtree(out, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(report(args, alone_runs, jobs), indent=2))
+    result = json.dumps(report(args, alone_runs, jobs), indent=2)
+    if args.json:  # written first: Ray may print after us on stdout
+        Path(args.json).write_text(result + "\n")
+    print(result)
     if args.steps_file or args.plot:
-        trace = {str(s): {k: runs[-1][k] for k in TRACE} for s, runs in jobs.items()}
+        trace = {s: {k: runs[-1][k] for k in TRACE} for s, runs in jobs.items()}
         if args.steps_file:
             Path(args.steps_file).write_text(json.dumps(trace))
         if args.plot:
@@ -273,51 +305,57 @@ def main(argv: list[str] | None = None) -> None:
 TRACE = ("step_times", "running_per_step", "shards_done")
 
 
-def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[int, list]) -> dict:
-    """Medians of the runs, ratios of the same run, identity of the outputs."""
-    ref = alone_runs[0]
-    tokens = ref["generated_tokens"]
-    alone_s = statistics.median(r["generate_s"] for r in alone_runs)
+def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[str, list]) -> dict:
+    """Medians of the runs, ratios of the same run, identity of the outputs (no ratios and
+    no identity without the engine alone: `--no-alone`)."""
     result: dict[str, Any] = {
         "prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-        "engine_alone": {
+        "jobs": {},
+    }
+    if alone_runs:
+        ref = alone_runs[0]
+        alone_s = statistics.median(r["generate_s"] for r in alone_runs)
+        result["engine_alone"] = {
             "generate_s": alone_s,
             "runs_s": [r["generate_s"] for r in alone_runs],
-            "tokens_per_s": round(tokens / alone_s, 1),
+            "tokens_per_s": round(ref["generated_tokens"] / alone_s, 1),
             "steps": ref["steps"],
             "step_s": statistics.median(r["step_s"] for r in alone_runs),
             "threads": args.threads,
-        },
-        "jobs": {},
-    }
+        }
     for size, runs in jobs.items():
-        ratios = [a["generate_s"] / j["wall_s"] for a, j in zip(alone_runs, runs, strict=True)]
-        engine_ratios = [
-            a["step_s"] / j["breakdown_s"]["engine_step_s"]
-            for a, j in zip(alone_runs, runs, strict=True)
-        ]
         last = runs[-1]
-        same = sum(last["outputs"].get(k) == v for k, v in ref["outputs"].items())
-        same_prompt = sum(
-            last["prompt_tokens"].get(k) == v for k, v in ref["prompt_tokens"].items()
-        )
         running = last["running_per_step"]
-        result["jobs"][str(size)] = {
+        entry: dict[str, Any] = {
             "wall_s": statistics.median(j["wall_s"] for j in runs),
             "runs_s": [j["wall_s"] for j in runs],
-            "throughput_vs_engine": round(statistics.median(ratios), 3),
-            "ratios": [round(r, 3) for r in ratios],
-            "engine_step_speed_vs_alone": round(statistics.median(engine_ratios), 3),
             "breakdown_s": last["breakdown_s"],
             "steps": last["steps"],
+            "stepping_thread": last["stepping_thread"],
             "median_running_per_step": statistics.median(running),
             "rows": last["rows"],
-            "token_identical_rows": same,
-            "same_prompt_length_rows": same_prompt,
+            "generated_tokens": sum(len(v) for v in last["outputs"].values()),
         }
+        if alone_runs:
+            pairs = list(zip(alone_runs, runs, strict=True))
+            ratios = [a["generate_s"] / j["wall_s"] for a, j in pairs]
+            engine_ratios = [a["step_s"] / j["breakdown_s"]["engine_step_s"] for a, j in pairs]
+            entry.update(
+                throughput_vs_engine=round(statistics.median(ratios), 3),
+                ratios=[round(r, 3) for r in ratios],
+                engine_step_speed_vs_alone=round(statistics.median(engine_ratios), 3),
+                engine_step_speed_runs=[round(r, 3) for r in engine_ratios],
+                token_identical_rows=sum(
+                    last["outputs"].get(k) == v for k, v in ref["outputs"].items()
+                ),
+                same_prompt_length_rows=sum(
+                    last["prompt_tokens"].get(k) == v for k, v in ref["prompt_tokens"].items()
+                ),
+            )
+        result["jobs"][size] = entry
     return result
 
 
