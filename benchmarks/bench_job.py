@@ -59,6 +59,7 @@ STAGES = (
     ("Recorded", "engine"),  # step_recording_stage's InferStage
     ("InferStage", "engine"),
     ("Write", "write"),
+    ("write_shards", "write"),  # pipeline/writer.py's write tasks
 )
 
 
@@ -162,7 +163,7 @@ def operator_spans(ds: Any) -> dict[str, list[float]]:
     """[first task start, last task end] of each breakdown stage (`time.perf_counter`, one
     clock for every process of the machine)."""
     spans: dict[str, list[float]] = {}
-    todo = [ds._write_ds.get_stats_summary()]
+    todo = [ds.get_stats_summary()]
     while todo:
         summary = todo.pop()
         todo.extend(summary.parents)

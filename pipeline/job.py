@@ -280,7 +280,8 @@ def run_job(
     folder: OutputFolder | None = None,
 ) -> Summary:
     """Run the whole job into `config.output` (resuming what is there) and report.
-    `on_written` gets the written Ray Dataset (benchmarks read its per-operator stats).
+    `on_written` gets the written Ray Dataset, executed (benchmarks read its per-operator
+    stats: `get_stats_summary()`).
 
     The output folder is claimed for the run and its lineage settled (`claim_output`:
     OutputBusyError while another job holds it, LineageMismatch when another lineage produced
@@ -320,10 +321,11 @@ def run_job(
                 config.files,
                 config.files.num_writers or config.compute.num_actors,
             )
-            ds.write_datasink(sink, ray_remote_args={"num_cpus": config.compute.task_num_cpus})
+            written = sink.write(ds, config.compute.task_num_cpus)
             plan = ray.get(collector.plan_total.remote())
             if on_written is not None:
-                on_written(ds)
+                on_written(written)
+            del ds, written  # the executed datasets' per-block stats go with them
         finally:
             ray.kill(collector)
     finally:

@@ -1,14 +1,14 @@
 """Output files sized for big jobs: writer actors gather many shards' rows into Parquet files
 of at most `max_rows_per_file` rows and about `max_bytes_per_file` bytes (FilesConfig).
 
-    infer (one block per shard) -> write tasks (ShardSink.write) -> FileWriter actors
+    infer (one block per shard) -> write tasks (ShardSink.write_shards) -> FileWriter actors
 
 A write task sends each shard's rows to one `FileWriter` (chosen by a stable hash of the shard
 id, so a retried task reaches the same writer). A writer keeps one file open, appends whole
 shards to it (buffered into row groups of up to `ROW_GROUP_ROWS` rows), and closes it before
 a shard would take it past `max_rows_per_file` (a shard larger than that gets a file of its
 own) or once its size reaches `max_bytes_per_file`; the driver closes the last ones when the
-write is over (`ShardSink.on_write_complete`).
+write is over (`ShardSink.close`).
 
 A file becomes visible under its name only when it is closed, complete:
 - local: written as `.<name>.tmp` (hidden: resume and readers skip it), renamed into place
@@ -24,7 +24,7 @@ per shard) and ignores a shard that comes again (a retried write task), so no ro
 twice within a run; across runs the id stage drops ids already written (pipeline/resume.py).
 
 A writer that dies fails the run (its open file is lost; the next run generates its rows).
-Import this module only where Ray is wanted (it imports ray.data).
+Import this module only where Ray is wanted.
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ import logging
 import os
 import uuid
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from ray.data.datasource import Datasink
 
 from pipeline import stage, storage
 from pipeline.config import FilesConfig
@@ -48,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 ROW_GROUP_ROWS = 65536  # rows buffered in a writer before they go to the file as a row group
 ROW_GROUP_BYTES = 32 * 2**20  # ... or this many bytes (Arrow, uncompressed)
+WRITTEN_ROWS = "rows"  # a write task's one row: how many rows the writers took
+WRITTEN_SCHEMA = pa.schema([(WRITTEN_ROWS, pa.int64())])
 
 
 def writer_of(shard_id: str, num_writers: int) -> int:
@@ -182,10 +183,17 @@ class FileWriter:
         return list(self._committed)
 
 
-class ShardSink(Datasink):
-    """Ray Data's side of the writers: `ds.write_datasink(ShardSink(...))` sends every block's
-    shards to their writers; when the write is over, the writers close their last files
-    (`committed` then lists every file written, with its rows) and are ended."""
+class ShardSink:
+    """The job's side of the writers: `sink.write(ds)` sends every block's shards to their
+    writers (a map task per block, `write_shards`) and streams the tasks' row counts back;
+    when the write is over, the writers close their last files (`committed` then lists every
+    file written, with its rows) and are ended.
+
+    Not `ds.write_datasink`: that materializes the write's output, so the driver holds a ref
+    to every write task's result until the write ends, and Ray pins the lineage of each (the
+    task specs and reference entries of every block behind it, back to the read): the driver
+    grew by about 260 bytes per row (docs/benchmarks-job.md). Here each result is dropped as
+    it arrives, and its lineage with it."""
 
     def __init__(self, folder: str, prefix: str, files: FilesConfig, num_writers: int):
         import ray
@@ -196,33 +204,52 @@ class ShardSink(Datasink):
             remote.remote(folder, prefix, run, i, files) for i in range(max(1, num_writers))
         ]
         self.committed: list[tuple[str, int]] = []
+        self.rows = 0
 
-    def get_name(self) -> str:
-        return "RaypackParquet"
+    def write(self, ds: Any, num_cpus: float = 1.0) -> Any:
+        """Write `ds` (blocks with a shard column) and close the files; the written Dataset
+        (executed: its stats are there). On an error the writers are ended (a file they
+        left open stays invisible) and the error raised."""
+        written = ds.map_batches(
+            self.write_shards, batch_format="pyarrow", batch_size=None, num_cpus=num_cpus
+        )
+        try:
+            for counts in written.iter_batches(batch_size=None, batch_format="pyarrow"):
+                self.rows += sum(counts.column(WRITTEN_ROWS).to_pylist())
+            self.close()
+        except BaseException:
+            self.end()
+            raise
+        return written
 
-    def write(self, blocks: Iterable[Any], ctx: Any) -> int:  # noqa: ARG002 (TaskContext)
-        import pyarrow.compute as pc
+    def write_shards(self, table: pa.Table) -> pa.Table:
+        """A write task: the block's shards to their writers; one row, the rows they took."""
         import ray
-        from ray.data.block import BlockAccessor
 
-        calls = []
-        for block in blocks:
-            table = BlockAccessor.for_block(block).to_arrow()
-            if table.num_rows == 0:
-                continue
-            by_writer: dict[int, list[str]] = {}
-            for shard_id in table.column(stage.SHARD).unique().to_pylist():
-                by_writer.setdefault(writer_of(shard_id, len(self.writers)), []).append(shard_id)
-            for index, shard_ids in by_writer.items():
-                if len(by_writer) > 1:  # each writer gets only its shards' rows
-                    mine = pc.is_in(table.column(stage.SHARD), value_set=pa.array(shard_ids))
-                    part = table.filter(mine)
-                else:
-                    part = table
-                calls.append(self.writers[index].append.remote(shard_ids, part))
-        return sum(ray.get(calls))
+        return pa.table({WRITTEN_ROWS: [sum(ray.get(self.send(table)))]}, WRITTEN_SCHEMA)
 
-    def on_write_complete(self, write_result: Any) -> None:  # noqa: ARG002
+    def send(self, table: pa.Table) -> list[Any]:
+        """Each writer's part of `table` (whole shards) to it; the refs of their answers."""
+        import pyarrow.compute as pc
+
+        calls: list[Any] = []
+        if table.num_rows == 0:
+            return calls
+        by_writer: dict[int, list[str]] = {}
+        for shard_id in table.column(stage.SHARD).unique().to_pylist():
+            by_writer.setdefault(writer_of(shard_id, len(self.writers)), []).append(shard_id)
+        for index, shard_ids in by_writer.items():
+            if len(by_writer) > 1:  # each writer gets only its shards' rows
+                mine = pc.is_in(table.column(stage.SHARD), value_set=pa.array(shard_ids))
+                part = table.filter(mine)
+            else:
+                part = table
+            calls.append(self.writers[index].append.remote(shard_ids, part))
+        return calls
+
+    def close(self) -> None:
+        """Close every writer's open file (`committed` gets every file written) and end
+        the writers."""
         import ray
 
         try:
@@ -230,9 +257,6 @@ class ShardSink(Datasink):
                 self.committed.extend(files)
         finally:
             self.end()
-
-    def on_write_failed(self, error: Exception) -> None:  # noqa: ARG002
-        self.end()
 
     def end(self) -> None:
         """End the writer actors (a file they left open stays invisible)."""

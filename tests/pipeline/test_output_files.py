@@ -85,6 +85,49 @@ def test_writer_files_appear_whole_and_a_killed_writer_loses_nothing(ray_cluster
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sink_streams_the_write_and_holds_no_result_per_block(ray_cluster, tmp_path):
+    """ShardSink.write: every shard's rows in the files once, the row count summed from the
+    write tasks as they end; the written Dataset keeps no block (the driver would pin each
+    one's lineage, as `write_datasink`'s materialized output did); a failing write ends the
+    writers with no file made visible."""
+    import ray
+    import ray.data
+
+    from pipeline.writer import ShardSink
+
+    shards = [_shard(f"s{i}", [f"r{i}-{j}" for j in range(3)], ["n"] * 3) for i in range(8)]
+    ds = ray.data.from_arrow(shards)  # one block per shard, as after the plan
+    sink = ShardSink(str(tmp_path), PREFIX, FilesConfig(max_rows_per_file=10), 2)
+    written = sink.write(ds, num_cpus=0.5)
+    assert sink.rows == 24
+    assert sum(rows for _, rows in sink.committed) == 24
+    ids = pa.concat_tables(pq.read_table(f) for f in data_files(tmp_path, PREFIX))["id"]
+    assert sorted(ids.to_pylist()) == sorted(f"r{i}-{j}" for i in range(8) for j in range(3))
+    assert written._write_ds is None and not written._has_computed_output()
+    assert any(
+        "write_shards" in op.operator_name for op in written.get_stats_summary().operators_stats
+    )
+    for writer in sink.writers:  # ended
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(writer.close.remote())
+
+    def fail(batch: pa.Table) -> pa.Table:
+        if "s5" in batch.column("shard").to_pylist():
+            raise ValueError("a shard that cannot be written")
+        return batch
+
+    other = tmp_path / "failed"
+    other.mkdir()
+    sink = ShardSink(str(other), PREFIX, FilesConfig(max_rows_per_file=100), 1)
+    with pytest.raises(Exception, match="a shard that cannot be written"):
+        sink.write(ds.map_batches(fail, batch_format="pyarrow", batch_size=None), num_cpus=0.5)
+    assert data_files(other, PREFIX) == [] and sink.committed == []
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(sink.writers[0].close.remote())
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_many_shards_in_few_files_and_a_rerun_writes_nothing(
     ray_cluster, prompt_table, tiny_model_dir, tmp_path
