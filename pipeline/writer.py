@@ -190,10 +190,9 @@ class ShardSink:
     file written, with its rows) and are ended.
 
     Not `ds.write_datasink`: that materializes the write's output, so the driver holds a ref
-    to every write task's result until the write ends, and Ray pins the lineage of each (the
-    task specs and reference entries of every block behind it, back to the read): the driver
-    grew by about 260 bytes per row (docs/benchmarks-job.md). Here each result is dropped as
-    it arrives, and its lineage with it."""
+    to every write task's result (and Ray the lineage behind it) until the write ends. Here
+    each result is dropped as it arrives. Measured (docs/benchmarks-job.md): this was not
+    what makes the driver grow with rows (about 215 bytes per row, native, still there)."""
 
     def __init__(self, folder: str, prefix: str, files: FilesConfig, num_writers: int):
         import ray
