@@ -3,7 +3,8 @@
 Alpaca instructions (../shared/data/alpaca_5000.json, `RAYPACK_DATA_DIR` to move it) as one
 chat user turn each, greedy, at most `--max-tokens` new tokens, the embedded SmolLM2:
 
-* `LLMEngine.generate` on all prompts in one call, in this process (torch on every core);
+* `LLMEngine.generate` on all prompts in one call, in this process (torch on `--threads`
+  threads, every core by default, and the job's engine on as many);
 * `jobs/generate.py`'s job (`pipeline.job.run_job`) on the same rows as a Parquet messages
   column, once per shard size, each on a fresh local Ray (its start-up is the job's).
 
@@ -182,6 +183,7 @@ def run_one_job(
     shard_size: int,
     params: SamplingParams,
     steps_file: Path,
+    threads: int,
 ) -> dict[str, Any]:
     """One job on a fresh local Ray; its wall time, breakdown, engine steps and outputs."""
     import ray
@@ -198,7 +200,7 @@ def run_one_job(
         engine=EngineConfig(),
         sampling=params,
         plan=PlanConfig(max_rows_per_shard=shard_size),
-        compute=ComputeConfig(),
+        compute=ComputeConfig(torch_threads=threads),
     )
     spans: dict[str, list[float]] = {}
     marks: dict[str, float] = {}
@@ -223,6 +225,9 @@ def run_one_job(
     ids = out["id"].to_pylist()
     return {
         "wall_s": round(ended - started, 2),
+        # run_job's call to its return: the job on a running Ray, as `ray job submit` runs it
+        # (this benchmark's local cluster start and stop are the rest of wall_s)
+        "job_s": round(returned - ray_up, 2),
         "breakdown_s": {
             # Ray, then the model check and the pipeline's set-up until the first read task
             "start_up": round(first_op - started, 2),
@@ -243,6 +248,7 @@ def run_one_job(
         "steps": len(steps["steps"]),
         "stepping_thread": steps["actor"],
         "running_per_step": [s[1] for s in steps["steps"]],
+        "waiting_per_step": [s[2] for s in steps["steps"]],
         "step_times": [round(s[0] - first_step, 3) for s in steps["steps"]],
         "shards_done": [round(t - first_step, 3) for t in steps["shards_done"]],
         "outputs": dict(zip(ids, out["generated_token_ids"].to_pylist(), strict=True)),
@@ -257,7 +263,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard-sizes", default="32,64,256")
     parser.add_argument("--repeats", type=int, default=1, help="medians over this many runs")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="engine alone")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count(),
+        help="torch threads of the engine, alone and in the job (the job's own default is "
+        "the same: the cluster's CPUs over its engine actors); fewer than the cores leaves "
+        "the rest to Ray and the pipeline, as on a GPU node",
+    )
     parser.add_argument("--steps-file", help="write running sequences per step (JSON) here")
     parser.add_argument("--plot", help="draw running sequences per step to this PNG")
     parser.add_argument("--json", help="write the JSON report to this file (too)")
@@ -286,7 +299,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"rep {rep}: engine alone {alone_runs[-1]['generate_s']} s", file=sys.stderr)
             for size in sizes:
                 key, out = str(size), work / f"out-{size}-{rep}"
-                jobs[key].append(run_one_job(table, out, size, params, work / "steps.json"))
+                jobs[key].append(
+                    run_one_job(table, out, size, params, work / "steps.json", args.threads)
+                )
                 print(f"rep {rep}: job {key} {jobs[key][-1]['wall_s']} s", file=sys.stderr)
                 shutil.rmtree(out, ignore_errors=True)
     finally:
@@ -303,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
             plot(trace, args.plot)
 
 
-TRACE = ("step_times", "running_per_step", "shards_done")
+TRACE = ("step_times", "running_per_step", "waiting_per_step", "shards_done")
 
 
 def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[str, list]) -> dict:
@@ -333,20 +348,27 @@ def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[str, lis
         entry: dict[str, Any] = {
             "wall_s": statistics.median(j["wall_s"] for j in runs),
             "runs_s": [j["wall_s"] for j in runs],
+            "job_s": statistics.median(j["job_s"] for j in runs),
             "breakdown_s": last["breakdown_s"],
             "steps": last["steps"],
             "stepping_thread": last["stepping_thread"],
             "median_running_per_step": statistics.median(running),
+            # steps after which the engine had no prompt waiting though rows were still to
+            # come (the last shard's tail aside): where the feed ran dry
+            "steps_with_none_waiting": sum(w == 0 for w in last["waiting_per_step"]),
             "rows": last["rows"],
             "generated_tokens": sum(len(v) for v in last["outputs"].values()),
         }
         if alone_runs:
             pairs = list(zip(alone_runs, runs, strict=True))
             ratios = [a["generate_s"] / j["wall_s"] for a, j in pairs]
+            running_ray = [a["generate_s"] / j["job_s"] for a, j in pairs]
             engine_ratios = [a["step_s"] / j["breakdown_s"]["engine_step_s"] for a, j in pairs]
             entry.update(
                 throughput_vs_engine=round(statistics.median(ratios), 3),
                 ratios=[round(r, 3) for r in ratios],
+                throughput_vs_engine_on_running_ray=round(statistics.median(running_ray), 3),
+                ratios_on_running_ray=[round(r, 3) for r in running_ray],
                 engine_step_speed_vs_alone=round(statistics.median(engine_ratios), 3),
                 engine_step_speed_runs=[round(r, 3) for r in engine_ratios],
                 token_identical_rows=sum(
