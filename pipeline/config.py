@@ -156,7 +156,9 @@ class PlanConfig:
     key_block_size: int = 64  # tokens hashed into the prefix key (rows shorter have none)
     max_rows_per_shard: int = 256
     max_tokens_per_shard: int = 65536
-    num_partitions: int | None = None  # hash partitions of the shuffle; None: 4 per engine actor
+    # Hash partitions of the shuffle. None: one per engine actor (the processor), or for the
+    # job one per 64 MiB of input and at least one per engine actor (pipeline/job.py).
+    num_partitions: int | None = None
     on_duplicate: str = "error"  # rows sharing an id with different content: see pipeline/dedupe.py
 
     def __post_init__(self) -> None:

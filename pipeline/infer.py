@@ -41,8 +41,16 @@ from pipeline.stage import Stage
 logger = logging.getLogger(__name__)
 
 
+_TOP = pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float64())]))
+LOGPROBS_TYPE = pa.list_(
+    pa.struct([("token_id", pa.int32()), ("logprob", pa.float64()), ("top", _TOP)])
+)
+
+
 class InferStage(Stage):
-    """Ray Data callable class for an actor pool; tests pass a ready `engine`."""
+    """Ray Data callable class for an actor pool; tests pass a ready `engine`. With
+    `with_logprobs`, each row also gets its per-token `logprobs` (token id, log-probability,
+    and the top alternatives; null for an error row)."""
 
     name = "infer"
 
@@ -55,6 +63,7 @@ class InferStage(Stage):
         keep_columns: Sequence[str] = (),
         torch_threads: int | None = None,
         engine_retries: int = 1,
+        with_logprobs: bool = False,
         engine=None,  # noqa: ANN001 (actors.LLMEngine or a stand-in)
     ):
         setup_worker_logging()
@@ -66,6 +75,7 @@ class InferStage(Stage):
         self.sampling = sampling
         self.text_column = text_column
         self.keep_columns = tuple(keep_columns)
+        self.with_logprobs = with_logprobs
         self.feed = EngineFeed(
             engine if engine is not None else self._new_engine(),
             self._new_engine,
@@ -199,6 +209,8 @@ class InferStage(Stage):
                 stage.SHARED_PREFIX_LEN: pa.array(groups.shared_prefix_lens(), pa.int32()),
             }
         )
+        if self.with_logprobs:
+            columns[stage.LOGPROBS] = pa.array([_logprobs(out) for out in outputs], LOGPROBS_TYPE)
         return pa.table(columns)
 
     @staticmethod
@@ -220,6 +232,19 @@ class InferStage(Stage):
             elapsed,
             generated / elapsed if elapsed > 0 else 0.0,
         )
+
+
+def _logprobs(out: RequestOutput | None) -> list[dict] | None:
+    if out is None or out.logprobs is None:
+        return None
+    return [
+        {
+            "token_id": lp.token_id,
+            "logprob": lp.logprob,
+            "top": [{"token_id": t, "logprob": p} for t, p in lp.top],
+        }
+        for lp in out.logprobs
+    ]
 
 
 def _close_engine(engine) -> None:  # noqa: ANN001 (actors.LLMEngine)

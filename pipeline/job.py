@@ -1,7 +1,11 @@
 """The offline job: check, build the Ray Data pipeline, run it, report.
 
-    read -> ids (drop ids already written) -> tokenize (CPU actors) -> shuffle by prefix key
-         -> plan (groups, shards) -> one shard per block -> infer (engine actors) -> Parquet
+    read -> ids (stable; drop ids already written) -> the processor's path (tokenize, shuffle
+         by prefix key, plan, engine actors: `Processor.engine_rows`) -> Parquet (ShardSink)
+
+The job's own parts are its ends and what only a job has: stable ids and resume, the
+`StatsCollector` (one row per id across partitions, the plan's figures for the report), the
+output folder's claim and lineage, tp x pp placement groups, the sized output files.
 
 `prepare` runs on the driver without Ray and fails fast on a bad path, a missing column or an
 unknown model. `run_job` needs a connected Ray (see pipeline/cli.py `connect_ray`).
@@ -12,21 +16,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from actors.parallel import placement
-from pipeline import engine_placement, lineage, stage, storage
+from pipeline import engine_placement, lineage, storage
 from pipeline.config import OUTPUT_ID, JobConfig
-from pipeline.dedupe import CONTENT
-from pipeline.engine_actor import default_torch_threads, engine_actor_args, shards_in_flight
 from pipeline.engine_placement import EnginePlacements
 from pipeline.infer import InferStage
 from pipeline.output import OutputFolder, check_output
-from pipeline.plan import PlanStage
+from pipeline.processor import Processor, ProcessorConfig, model_facts
 from pipeline.prompts import SAMPLING_FIELDS, RowIdStage
 from pipeline.read import (
     InputCheck,
@@ -39,7 +40,6 @@ from pipeline.read import (
 )
 from pipeline.report import StatsCollector, Summary, summarize, write_report
 from pipeline.resume import DoneIds, done_filter, scan_output
-from pipeline.tokenize import TokenizeStage
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class PreparedJob:
     id_column: str | None
     override_columns: tuple[str, ...]
     max_model_len: int
+    vocab_size: int
     num_partitions: int
     checked: InputCheck = InputCheck()
 
@@ -105,13 +106,15 @@ def prepare(config: JobConfig) -> PreparedJob:
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"--model: {exc}") from exc
     checked = check_input(source)
+    max_model_len, vocab_size = model_facts(config.engine)
     check_output(config.output)  # last: it creates the folder
     return PreparedJob(
         source=source,
         columns=tuple(columns),
         id_column=id_column,
         override_columns=overrides,
-        max_model_len=model_context(config),
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
         num_partitions=config.plan.num_partitions
         or max(config.compute.num_actors, math.ceil(_input_bytes(source) / BYTES_PER_PARTITION)),
         checked=checked,
@@ -134,21 +137,19 @@ def claim_output(config: JobConfig, prepared: PreparedJob) -> OutputFolder:
     return folder
 
 
-def model_context(config: JobConfig) -> int:
-    """The model's context length (EngineConfig.max_model_len, else the model config's)."""
-    from transformers import AutoConfig
-
-    from actors.loader import EMBEDDED_NAME, ensure_embedded_converted, resolve
-
-    if config.engine.max_model_len:
-        return config.engine.max_model_len
-    if config.engine.model == EMBEDDED_NAME:
-        ensure_embedded_converted()  # once here, not in every actor at the same time
-    src = resolve(config.engine.model)
-    hf = AutoConfig.from_pretrained(
-        src.path, gguf_file=src.gguf_file, trust_remote_code=config.engine.trust_remote_code
+def processor_config(config: JobConfig, prepared: PreparedJob) -> ProcessorConfig:
+    """The job's options for the path it shares with the processor (`Processor.engine_rows`):
+    its prompt, engine, sampling, text column, engine actors, compute options (torch
+    threads, engine retries, restarts) and plan, with the partition count `prepare` chose."""
+    return ProcessorConfig.of_prompt(
+        config.prompt,
+        engine=config.engine,
+        sampling=config.sampling,
+        text_column=config.text_column,
+        concurrency=config.compute.num_actors,
+        plan=replace(config.plan, num_partitions=prepared.num_partitions),
+        compute=config.compute,
     )
-    return int(getattr(hf.get_text_config(), "max_position_embeddings", None) or 2048)
 
 
 def build_dataset(
@@ -159,11 +160,11 @@ def build_dataset(
     infer_cls: type[InferStage] = InferStage,
     groups: EnginePlacements | None = None,
 ):  # noqa: ANN201 (ray.data.Dataset)
-    """The lazy pipeline from the input to the engine's output rows (not yet written)."""
-    import ray.data
-
+    """The lazy pipeline from the input to the engine's output rows (not yet written): read,
+    the job's id stage (stable ids, ids already written dropped, rows registered with the
+    `collector`), then the processor's path (`Processor.engine_rows`) with the job's keep
+    columns carried, its collector and its tp x pp placement groups."""
     compute = config.compute
-    keep = config.input.keep_columns
     ds = read_dataset(
         prepared.source,
         config.input.hf_split,
@@ -177,72 +178,16 @@ def build_dataset(
         batch_size=None,
         num_cpus=compute.task_num_cpus,
     )
-    ds = ds.map_batches(
-        TokenizeStage,
-        fn_constructor_kwargs=dict(
-            prompt=config.prompt,
-            model=config.engine.model,
-            max_model_len=prepared.max_model_len,
-            sampling=config.sampling,
-            keep_columns=(*keep, CONTENT),  # to the planner, which tells rows apart by it
-            override_columns=prepared.override_columns,
-            key_block_size=config.plan.key_block_size,
-            trust_remote_code=config.engine.trust_remote_code,
-        ),
-        batch_format="pyarrow",
-        batch_size=256,
-        compute=ray.data.ActorPoolStrategy(size=compute.num_tokenize_actors),
-        num_cpus=compute.tokenize_num_cpus,
+    processor = Processor(
+        processor_config(config, prepared), facts=(prepared.max_model_len, prepared.vocab_size)
     )
-    if config.plan.prefix_grouping:
-        # Hash partitions by prefix key: rows that can share a prefix meet in one partition.
-        # Ray's own groupby().map_groups() is this same repartition plus batch_size=None.
-        if prepared.num_partitions == 1:
-            # Every row meets in the one partition anyway: skip the keyed hash shuffle (its
-            # map and reduce operators cost seconds on small inputs; see bench_pipeline).
-            ds = ds.repartition(1)
-        else:
-            ds = ds.repartition(prepared.num_partitions, keys=[stage.SHUFFLE_KEY])
-    ds = ds.map_batches(
-        PlanStage(config.plan, config.sampling, keep, collector),
-        batch_format="pyarrow",
-        batch_size=None,  # a whole partition: groups inside it are complete
-        num_cpus=compute.task_num_cpus,
+    return processor.engine_rows(
+        ds,
+        carry=config.input.keep_columns,
+        collector=collector,
+        placements=groups,
+        infer_cls=infer_cls,
     )
-    # One shard per block, so one actor task is one shard: an actor that dies redoes only it.
-    ds = ds.repartition(target_num_rows_per_block=1)
-    actor_args = engine_actor_args(compute, groups)
-    in_flight = shards_in_flight(config.engine, config.plan)
-    threads = default_torch_threads(compute, actor_args, config.engine.world_size)
-    with warnings.catch_warnings():
-        # max_restarts / max_task_retries have no named parameter in map_batches (2.60), and
-        # Ray Data's default is to retry forever: a shard that kills its actor every time
-        # would never end the job. Bounded retries are worth the deprecation warning, and so
-        # is a placement group per engine actor (what ray.data.llm does the same way).
-        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
-        warnings.filterwarnings("ignore", message="`ray_remote_args_fn` is deprecated")
-        return ds.map_batches(
-            infer_cls,
-            fn_constructor_kwargs=dict(
-                engine_config=config.engine,
-                sampling=config.sampling,
-                text_column=config.text_column,
-                keep_columns=keep,
-                torch_threads=compute.torch_threads or threads,
-                engine_retries=compute.engine_retries,
-            ),
-            batch_format="pyarrow",
-            batch_size=1,
-            compute=ray.data.ActorPoolStrategy(
-                size=compute.num_actors,
-                # Several shards in one actor at once, so the next shard's prompts join the
-                # running batch while the last ones decode (pipeline/feed.py).
-                max_concurrent_calls_per_actor=in_flight,
-                max_tasks_in_flight_per_actor=in_flight,
-                enable_true_multi_threading=True,
-            ),
-            **actor_args,
-        )
 
 
 def check_room(config: JobConfig) -> EnginePlacements | None:

@@ -1,10 +1,14 @@
-"""raypack inside a user's own Ray Data program: `build_processor(config)(ds)`.
+"""raypack inside a user's own Ray Data program: `build_processor(config)(ds)`, and the path
+from keyed rows to the engine's rows that the offline job runs too (`Processor.engine_rows`).
 
-    ds -> intake (a key per row; the input columns set aside, unchanged) -> prompt tokens
-       (the job's TokenizeStage, or TokenIdsStage for token-id prompts)
-       -> shuffle by prefix key -> plan (the job's PlanStage: prefix groups, shards)
-       -> one shard per block -> engine actors (the job's InferStage and its continuous feed)
+    ds -> intake (a key per row; the input columns set aside, unchanged)
+       -> engine_rows: prompt tokens (TokenizeStage, or TokenIdsStage for token-id prompts)
+          -> shuffle by prefix key -> plan (PlanStage: prefix groups, shards)
+          -> one shard per block -> engine actors (InferStage and its continuous feed)
        -> outflow (the input columns back, plus the generated columns)
+
+The offline job (pipeline/job.py) is read -> its id stage (stable ids, done ids skipped)
+-> `engine_rows` -> its writer: the same code between its own ends.
 
 Every operator is Ray Data's own (`map_batches` with tasks or an actor pool, `repartition`),
 so the result is a lazy, streaming `ray.data.Dataset` the program goes on with: filter it,
@@ -15,161 +19,51 @@ stops the dataset.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from typing import Any
 
-from actors.config import EngineConfig, SamplingParams
-from pipeline import stage
-from pipeline.config import ComputeConfig, PlanConfig, PromptConfig
+from actors.config import EngineConfig
+from pipeline import dedupe, stage
 from pipeline.engine_actor import default_torch_threads, engine_actor_args, shards_in_flight
-from pipeline.processor_stages import (
-    GENERATED_COLUMNS,
-    INPUT,
-    LOGPROBS,
-    IntakeStage,
-    OutflowStage,
-    ProcessorInferStage,
-    TokenIdsStage,
-)
-from pipeline.prompts import SAMPLING_FIELDS
+from pipeline.infer import InferStage
+from pipeline.processor_config import ProcessorConfig
+from pipeline.processor_stages import INPUT, IntakeStage, OutflowStage, TokenIdsStage
 from pipeline.tokenize import TokenizeStage
 
-
-@dataclass(frozen=True)
-class ProcessorConfig:
-    """What the processor does to each row, validated once at construction.
-
-    The prompt comes from exactly one of: `prompt_column` (text), `prompt_template` (a
-    `str.format` template over the row's columns, e.g. `"{document}\\n\\nQ: {query}"`),
-    `messages_column` (chat messages, rendered by the model's chat template) or
-    `token_ids_column` (a list of token ids, used as they are). `chat` renders a text prompt as
-    one user message through the chat template, after `system_prompt` when given. Text
-    prompts are tokenized as `tokenizer(text)` (the tokenizer's special tokens, e.g. BOS;
-    `add_special_tokens=False` leaves them out), chats as `apply_chat_template(...,
-    tokenize=True)` (actors/tokenization.py), text in messages that spells a special token as
-    plain text unless `allow_special_tokens_in_messages`.
-
-    Defaults: `engine` EngineConfig() (the embedded SmolLM2-135M-Instruct), `sampling`
-    SamplingParams() (greedy, max_tokens 16; `logprobs=k` adds the `logprobs` column),
-    `chat` False, `system_prompt` None, `id_column` None (when given it must exist; it is
-    carried like any other column), `override_columns` () (no per-row sampling unless named:
-    columns named like SamplingParams fields), `sampling_column` None (a dict or JSON of such
-    fields per row), `concurrency` 1 (engine actors), `plan` PlanConfig() (prefix grouping on,
-    nested groups, 64-token prefix keys, shards of at most 256 rows / 65536 prompt tokens, one
-    shuffle partition per engine actor unless `plan.num_partitions`), `compute`
-    ComputeConfig() (engine actors take a GPU each when the cluster has GPUs, else 0.5 CPU;
-    one tokenizer actor; engine_retries 1; max_restarts 3; its `num_actors` is `concurrency`).
-    """
-
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    prompt_column: str | None = None
-    prompt_template: str | None = None
-    messages_column: str | None = None
-    token_ids_column: str | None = None
-    chat: bool = False
-    system_prompt: str | None = None
-    add_special_tokens: bool = True
-    allow_special_tokens_in_messages: bool = False
-    id_column: str | None = None
-    override_columns: tuple[str, ...] = ()
-    sampling_column: str | None = None
-    concurrency: int = 1
-    plan: PlanConfig = field(default_factory=PlanConfig)
-    compute: ComputeConfig = field(default_factory=ComputeConfig)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "override_columns", tuple(self.override_columns))
-        sources = {
-            "prompt_column": self.prompt_column,
-            "prompt_template": self.prompt_template,
-            "messages_column": self.messages_column,
-            "token_ids_column": self.token_ids_column,
-        }
-        given = [name for name, value in sources.items() if value]
-        if len(given) != 1:
-            raise ValueError(
-                "give exactly one of prompt_column, prompt_template, messages_column or "
-                f"token_ids_column; got {given or 'none'}"
-            )
-        if self.token_ids_column and (self.chat or self.system_prompt):
-            raise ValueError("chat / system_prompt apply to text prompts, not token_ids_column")
-        if not isinstance(self.concurrency, int) or self.concurrency < 1:
-            raise ValueError(f"concurrency must be an integer >= 1, got {self.concurrency!r}")
-        if self.compute.num_actors not in (1, self.concurrency):
-            raise ValueError("set the number of engine actors with concurrency, not compute")
-        if self.engine.world_size > 1:
-            raise ValueError(
-                "the processor runs single-process engines; tensor/pipeline-parallel engines "
-                "(tensor_parallel_size x pipeline_parallel_size > 1) run through raypack generate"
-            )
-        unknown = [c for c in self.override_columns if c not in SAMPLING_FIELDS]
-        if unknown:
-            raise ValueError(
-                f"override_columns {unknown} are not SamplingParams fields {list(SAMPLING_FIELDS)}"
-            )
-        for name in self.source_columns:
-            if name == stage.ID:  # the stages key rows by `id`
-                raise ValueError(
-                    f"a prompt built from a column named {stage.ID!r} is not supported: "
-                    "rename the column (ds.rename_columns)"
-                )
-        if self.prompt is not None:
-            self.prompt  # noqa: B018 (a malformed template raises ValueError now)
-
-    @property
-    def prompt(self) -> PromptConfig | None:
-        """The job's prompt config for text and chat prompts (None for token ids)."""
-        if self.token_ids_column:
-            return None
-        return PromptConfig(
-            prompt_column=self.prompt_column,
-            template=self.prompt_template,
-            messages_column=self.messages_column,
-            chat=self.chat,
-            system_prompt=self.system_prompt,
-            add_special_tokens=self.add_special_tokens,
-            allow_special_tokens_in_messages=self.allow_special_tokens_in_messages,
-            override_columns=self.override_columns,
-            sampling_column=self.sampling_column,
-        )
-
-    @property
-    def source_columns(self) -> tuple[str, ...]:
-        """The input columns the prompt and its sampling overrides are read from."""
-        prompt = self.prompt
-        columns = prompt.source_columns if prompt else (self.token_ids_column or "",)
-        extra = (self.sampling_column,) if self.sampling_column else ()
-        return tuple(dict.fromkeys((*columns, *self.override_columns, *extra)))
-
-    @property
-    def with_logprobs(self) -> bool:
-        """Whether rows get a `logprobs` column (asked by default or per row)."""
-        return self.sampling.logprobs is not None or "logprobs" in self.override_columns
-
-    @property
-    def compute_config(self) -> ComputeConfig:
-        """`compute` with `concurrency` engine actors."""
-        return replace(self.compute, num_actors=self.concurrency)
+__all__ = ["Processor", "ProcessorConfig", "build_processor", "model_facts"]
 
 
 class Processor:
     """`processor(ds)` -> a lazy dataset: every input column once per row, unchanged, plus
-    `generated_text`, `generated_token_ids`, `num_prompt_tokens`, `num_generated_tokens`,
-    `finish_reason`, `error` (null on success) and `logprobs` when asked."""
+    the text column (`generated_text`), `generated_token_ids`, `num_prompt_tokens`,
+    `num_generated_tokens`, `finish_reason`, `error` (null on success) and `logprobs` when
+    asked. `engine_rows` is the path in between, which the offline job runs too.
 
-    def __init__(self, config: ProcessorConfig):
+    `facts` (context length, vocabulary size) when the caller has read them already
+    (`model_facts`); else they are read on first use."""
+
+    def __init__(self, config: ProcessorConfig, *, facts: tuple[int, int] | None = None):
         self.config = config
-        self._model: tuple[int, int] | None = None
+        self._model = facts
 
     def __call__(self, ds):  # noqa: ANN001, ANN204 (ray.data.Dataset in and out)
         import ray
-        import ray.data
 
+        config = self.config
+        if config.engine.world_size > 1:
+            raise ValueError(
+                "the processor runs single-process engines; tensor/pipeline-parallel engines "
+                "(tensor_parallel_size x pipeline_parallel_size > 1) run through raypack generate"
+            )
+        for name in config.source_columns:
+            if name == stage.ID:  # the intake keys rows by `id`
+                raise ValueError(
+                    f"a prompt built from a column named {stage.ID!r} is not supported: "
+                    "rename the column (ds.rename_columns)"
+                )
         if not ray.is_initialized():  # as Ray Data itself would on first use
             ray.init()
-        config, compute = self.config, self.config.compute_config
-        max_model_len, vocab_size = self.model_facts()
-        outputs = (*GENERATED_COLUMNS, *((LOGPROBS,) if config.with_logprobs else ()))
+        outputs = config.output_columns
         needed = {c: "the prompt source or a sampling override" for c in config.source_columns}
         if config.id_column:
             needed.setdefault(config.id_column, "the id column")
@@ -178,9 +72,51 @@ class Processor:
             IntakeStage(needed, outputs, config.source_columns),
             batch_format="pyarrow",
             batch_size=None,
-            num_cpus=compute.task_num_cpus,
+            num_cpus=config.compute.task_num_cpus,
         )
-        tokenizer_cls, tokenizer_args = self._tokenizer(max_model_len, vocab_size)
+        ds = self.engine_rows(ds, carry=(INPUT,))
+        return ds.map_batches(
+            OutflowStage(outputs),
+            batch_format="pyarrow",
+            batch_size=None,
+            num_cpus=config.compute.task_num_cpus,
+        )
+
+    def engine_rows(
+        self,
+        ds,  # noqa: ANN001 (ray.data.Dataset)
+        *,
+        carry: Sequence[str] = (),
+        collector: Any = None,
+        placements: Any = None,
+        infer_cls: type[InferStage] = InferStage,
+    ):  # noqa: ANN201 (ray.data.Dataset)
+        """The one path from keyed rows to the engine's rows, for the processor and the
+        offline job alike:
+
+            tokenize (CPU actors; token ids as they are for `token_ids_column`)
+              -> shuffle by prefix key (`num_partitions` hash partitions; one: no shuffle)
+              -> plan (prefix groups, shards) -> one shard per block
+              -> engine actors (several shards each at once, pipeline/feed.py)
+
+        `ds` has an `id` per row (the processor's intake or the job's id stage) and the
+        prompt's source columns. `carry` columns travel unchanged to the engine's rows, which
+        have: id, the carried columns, the text column, generated_token_ids, finish_reason,
+        num_prompt_tokens, num_cached_tokens, num_generated_tokens, time_to_first_token_s,
+        error, shard, prefix_group, shared_prefix_len, and logprobs when asked.
+
+        The offline job's own parts: `collector` (its `StatsCollector` handle: the plan
+        sends it each partition's figures and keeps one row per id across partitions, by the
+        id stage's content column `dedupe.CONTENT`, carried to the plan for it);
+        `placements` (`EnginePlacements`, a placement group per tp x pp engine actor);
+        `infer_cls` (the engine stage; tests subclass it to kill actors)."""
+        import ray.data
+
+        config, compute = self.config, self.config.compute_config
+        carry = tuple(carry)
+        tokenizer_cls, tokenizer_args = self._tokenizer(
+            (*carry, dedupe.CONTENT) if collector is not None else carry
+        )
         ds = ds.map_batches(
             tokenizer_cls,
             **tokenizer_args,
@@ -189,33 +125,42 @@ class Processor:
             compute=ray.data.ActorPoolStrategy(size=compute.num_tokenize_actors),
             num_cpus=compute.tokenize_num_cpus,
         )
-        plan = config.plan
-        if plan.prefix_grouping:
-            # Rows that can share a prefix meet in one hash partition (the job's shuffle).
-            partitions = plan.num_partitions or compute.num_actors
+        if config.plan.prefix_grouping:
+            # Hash partitions by prefix key: rows that can share a prefix meet in one
+            # partition (Ray's groupby().map_groups() is this repartition plus batch_size=None).
+            # One partition holds every row anyway: no keyed shuffle (its map and reduce
+            # operators cost seconds on small inputs; see bench_pipeline).
+            partitions = config.num_partitions
             ds = (
                 ds.repartition(1)
                 if partitions == 1
                 else ds.repartition(partitions, keys=[stage.SHUFFLE_KEY])
             )
         ds = ds.map_batches(
-            _plan_stage(plan, config.sampling),
+            _plan_stage(config, carry, collector),
             batch_format="pyarrow",
             batch_size=None,  # a whole partition: its groups are complete
             num_cpus=compute.task_num_cpus,
         )
-        ds = ds.repartition(target_num_rows_per_block=1)  # one shard per engine task
-        args = engine_actor_args(compute)
+        # One shard per block, so one actor task is one shard: an actor that dies redoes only it.
+        ds = ds.repartition(target_num_rows_per_block=1)
+        args = engine_actor_args(compute, placements)
+        threads = default_torch_threads(compute, args, config.engine.world_size)
+        in_flight = shards_in_flight(config.engine, config.plan)
         with warnings.catch_warnings():
-            # As pipeline/job.py: bounded actor restarts have no named parameter (2.60).
+            # max_restarts / max_task_retries have no named parameter in map_batches (2.60),
+            # and Ray Data's default is to retry forever: a shard that kills its actor every
+            # time would never end the job. Bounded retries are worth the deprecation warning,
+            # and so is a placement group per engine actor (as ray.data.llm does).
             warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
-            in_flight = shards_in_flight(config.engine, plan)
-            ds = ds.map_batches(
-                ProcessorInferStage,
+            warnings.filterwarnings("ignore", message="`ray_remote_args_fn` is deprecated")
+            return ds.map_batches(
+                infer_cls,
                 fn_constructor_args=(config.engine, config.sampling),
                 fn_constructor_kwargs=dict(
-                    keep_columns=(INPUT,),
-                    torch_threads=compute.torch_threads or default_torch_threads(compute, args),
+                    text_column=config.text_column,
+                    keep_columns=carry,
+                    torch_threads=compute.torch_threads or threads,
                     engine_retries=compute.engine_retries,
                     with_logprobs=config.with_logprobs,
                 ),
@@ -223,18 +168,14 @@ class Processor:
                 batch_size=1,
                 compute=ray.data.ActorPoolStrategy(
                     size=compute.num_actors,
+                    # Several shards in one actor at once, so the next shard's prompts join
+                    # the running batch while the last ones decode (pipeline/feed.py).
                     max_concurrent_calls_per_actor=in_flight,
                     max_tasks_in_flight_per_actor=in_flight,
                     enable_true_multi_threading=True,
                 ),
                 **args,
             )
-        return ds.map_batches(
-            OutflowStage(config.with_logprobs),
-            batch_format="pyarrow",
-            batch_size=None,
-            num_cpus=compute.task_num_cpus,
-        )
 
     def retry_errors(self, ds):  # noqa: ANN001, ANN201 (ray.data.Dataset in and out)
         """The processor's `--retry-errors`: `ds` is a dataset this processor returned (its
@@ -243,7 +184,7 @@ class Processor:
         run again. Every row comes back once (in no particular order, as `union` gives)."""
         from ray.data.expressions import col
 
-        outputs = [*GENERATED_COLUMNS, *((LOGPROBS,) if self.config.with_logprobs else ())]
+        outputs = list(self.config.output_columns)
         names = list(ds.schema().names)
         missing = [c for c in outputs if c not in names]
         if missing:
@@ -261,8 +202,10 @@ class Processor:
             self._model = model_facts(self.config.engine)
         return self._model
 
-    def _tokenizer(self, max_model_len: int, vocab_size: int) -> tuple:
+    def _tokenizer(self, carry: tuple[str, ...]) -> tuple[type, dict]:
+        """The prompt-token stage and its arguments; `carry` passes through it."""
         config = self.config
+        max_model_len, vocab_size = self.model_facts()
         if config.token_ids_column:
             return TokenIdsStage, dict(
                 fn_constructor_args=(config.token_ids_column,),
@@ -270,7 +213,7 @@ class Processor:
                     max_model_len=max_model_len,
                     vocab_size=vocab_size,
                     sampling=config.sampling,
-                    keep_columns=(INPUT,),
+                    keep_columns=carry,
                     override_columns=config.override_columns,
                     sampling_column=config.sampling_column,
                     key_block_size=config.plan.key_block_size,
@@ -282,7 +225,7 @@ class Processor:
                 model=config.engine.model,
                 max_model_len=max_model_len,
                 sampling=config.sampling,
-                keep_columns=(INPUT,),
+                keep_columns=carry,
                 override_columns=config.override_columns,
                 key_block_size=config.plan.key_block_size,
                 trust_remote_code=config.engine.trust_remote_code,
@@ -312,10 +255,10 @@ def model_facts(engine: EngineConfig) -> tuple[int, int]:
     return context, int(hf.vocab_size)
 
 
-def _plan_stage(plan: PlanConfig, sampling: SamplingParams):  # noqa: ANN202 (PlanStage)
+def _plan_stage(config: ProcessorConfig, carry: tuple[str, ...], collector: Any):  # noqa: ANN202
     from pipeline.plan import PlanStage
 
-    return PlanStage(plan, sampling, (INPUT,))
+    return PlanStage(config.plan, config.sampling, carry, collector)
 
 
 def _check_schema(ds, needed: dict[str, str], outputs: tuple[str, ...]) -> None:  # noqa: ANN001

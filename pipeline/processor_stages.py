@@ -1,10 +1,9 @@
-"""The processor's own stages around the job's: in, token ids, out.
+"""The processor's own stages around the shared path (pipeline/processor.py): in, token ids, out.
 
 - `IntakeStage` keys every row and sets its input columns aside in one struct column, so they
   travel through tokenizing, the shuffle, the plan and the engine unchanged whatever their
   names and types, and come back once per row;
 - `TokenIdsStage` stands in for the tokenizer stage when the prompts are token ids already;
-- `ProcessorInferStage` is the job's engine stage plus a `logprobs` column;
 - `OutflowStage` puts the input columns back and keeps the generated columns a user needs.
 """
 
@@ -17,29 +16,13 @@ from collections.abc import Sequence
 import pyarrow as pa
 
 from actors.config import SamplingParams
-from actors.outputs import RequestOutput
 from pipeline import stage
-from pipeline.infer import InferStage
 from pipeline.prompts import RowError, merge_sampling, sampling_overrides
 from pipeline.stage import Stage
 from pipeline.tokenize import _id_hash, _signed
 
 INPUT = "_raypack_input"  # struct of the row's input columns, from intake to outflow
-LOGPROBS = "logprobs"
 _NO_COLUMNS = "_raypack_no_input_columns"  # a struct needs a field
-# What the processor adds to every row, in this order (plus LOGPROBS when asked).
-GENERATED_COLUMNS = (
-    "generated_text",
-    stage.GENERATED_TOKEN_IDS,
-    stage.NUM_PROMPT_TOKENS,
-    stage.NUM_GENERATED_TOKENS,
-    stage.FINISH_REASON,
-    stage.ERROR,
-)
-_TOP = pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float64())]))
-LOGPROBS_TYPE = pa.list_(
-    pa.struct([("token_id", pa.int32()), ("logprob", pa.float64()), ("top", _TOP)])
-)
 
 
 class IntakeStage(Stage):
@@ -185,43 +168,14 @@ class TokenIdsStage(Stage):
         return value
 
 
-class ProcessorInferStage(InferStage):
-    """The job's engine stage; with `with_logprobs`, also each row's per-token `logprobs`
-    (token id, log-probability, and the top alternatives; null for an error row)."""
-
-    def __init__(self, *args, with_logprobs: bool = False, **kwargs):  # noqa: ANN002, ANN003
-        super().__init__(*args, **kwargs)
-        self.with_logprobs = with_logprobs
-
-    def _rows(self, shard, shard_id, members, outputs, groups) -> pa.Table:  # noqa: ANN001
-        table = super()._rows(shard, shard_id, members, outputs, groups)
-        if not self.with_logprobs:
-            return table
-        values = [_logprobs(out) for out in outputs] or [None] * table.num_rows
-        values += [None] * (table.num_rows - len(values))
-        return table.append_column(LOGPROBS, pa.array(values, LOGPROBS_TYPE))
-
-
-def _logprobs(out: RequestOutput | None) -> list[dict] | None:
-    if out is None or out.logprobs is None:
-        return None
-    return [
-        {
-            "token_id": lp.token_id,
-            "logprob": lp.logprob,
-            "top": [{"token_id": t, "logprob": p} for t, p in lp.top],
-        }
-        for lp in out.logprobs
-    ]
-
-
 class OutflowStage(Stage):
-    """Engine rows -> the input columns as they came in, then the generated columns."""
+    """Engine rows -> the input columns as they came in, then `columns` (the generated
+    columns a user needs: `ProcessorConfig.output_columns`)."""
 
     name = "processor outflow"
 
-    def __init__(self, with_logprobs: bool):
-        self.columns = (*GENERATED_COLUMNS, *((LOGPROBS,) if with_logprobs else ()))
+    def __init__(self, columns: Sequence[str]):
+        self.columns = tuple(columns)
 
     def required_columns(self) -> tuple[str, ...]:
         return (INPUT, *self.columns)
