@@ -1,7 +1,7 @@
 """The engine actor stage: whole shard rows in, one output row per member out.
 
 Each actor loads its engine once and keeps it across shards. The actor runs several shard
-tasks at once (`max_concurrent_calls_per_actor` in pipeline/job.py); each hands its shard to
+tasks at once (`max_concurrent_calls_per_actor` in pipeline/processor.py); each hands its shard to
 one `pipeline.feed.EngineFeed`, whose thread steps the engine and queues a new shard's
 prompts between two steps, so the running batch stays full across shard boundaries. A shard's
 prefix groups (nested when the plan made them so) go to `engine.add_prompts` as
