@@ -1,8 +1,9 @@
 """Ray and tiny saved models for the parallel-engine tests.
 
-One local Ray per test module, in a fresh short temp dir (Ray's unix sockets live under it),
-with 2 CPUs: workers take fractional CPUs so four fit. Models are the engine tests' context
-models (attention really moves the logits) saved as safetensors, so workers load shards.
+One local Ray for the folder's tests (kept from module to module), in a fresh short temp dir
+(Ray's unix sockets live under it), with 2 CPUs: workers take fractional CPUs so four fit.
+Models are the engine tests' context models (attention really moves the logits) saved as
+safetensors, so workers load shards.
 """
 
 from __future__ import annotations
@@ -42,18 +43,29 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_context_model(tmp_path_factory.mktemp("par") / "llama", "llama")
 
 
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    """A local Ray with 2 CPUs in a fresh temp dir."""
+@pytest.fixture(scope="package")
+def ray_temp_dir() -> Iterator[str]:
+    """The folder's Ray temp dir; whatever Ray is still up when the folder's tests end is shut
+    down then."""
     import ray
 
     temp_dir = tempfile.mkdtemp(prefix="rpx", dir="/tmp")
-    ray.init(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False, log_to_driver=False)
     try:
-        yield
+        yield temp_dir
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_local(ray_temp_dir: str) -> None:
+    """A local Ray with 2 CPUs, started by the folder's first module that needs it and kept
+    for the next ones (a start and a shutdown cost 4-5 s each time); started again after
+    test_two_nodes.py's own cluster ended it."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, _temp_dir=ray_temp_dir, include_dashboard=False, log_to_driver=False)
 
 
 @pytest.fixture(scope="package")

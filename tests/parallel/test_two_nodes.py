@@ -16,8 +16,11 @@ from tests.parallel.conftest import assert_same_tokens, engine_config, run_engin
 
 @pytest.fixture
 def two_nodes():
-    """A head with no CPUs and two 1-CPU nodes (RAY_TMPDIR set: Cluster's temp-dir bug)."""
+    """A head with no CPUs and two 1-CPU nodes (RAY_TMPDIR set: Cluster's temp-dir bug); the
+    folder's local Ray (conftest's ray_local), if up, is ended first: a process joins one Ray."""
     from ray.cluster_utils import Cluster
+
+    ray.shutdown()
 
     tmp = Path(tempfile.mkdtemp(prefix="rpc", dir="/tmp"))
     (tmp / "ray").mkdir()
