@@ -3,12 +3,15 @@
 
     flock /tmp/raypack-bench.lock python benchmarks/hostile_load.py            # tiny model
     python benchmarks/hostile_load.py --model smollm2 --normal 600 --slow 500 --partial 500
+    python benchmarks/hostile_load.py --max-queue-wait 1.5 --max-num-seqs 64 --json-out r.json
 
 Starts Ray and Serve on a free loopback port with `--num-replicas` replicas (jobs/serve.py's
 defaults unless flagged), then runs two phases on the same server: `baseline` (the normal requests alone) and
 `hostile` (the same requests while `--slow` connections send headers promising 1000 bytes of
 body and then 10 bytes, and `--partial` connections send half a request line and stop).
-/health is polled every 100 ms throughout. Latencies are client-side, in seconds.
+/health is polled every 100 ms throughout. Latencies are client-side, in seconds, of all
+normal requests, of the 200s and of the rejections (429/503) apart. `--json-out` also writes the
+JSON to a file (Ray may print after it on stdout).
 """
 
 from __future__ import annotations
@@ -49,6 +52,22 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="ServeConfig.max_queue_wait_s: shed (429) requests waiting longer (default: none)",
     )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="ServeConfig.max_waiting (default: --normal, at least 256: none turned away for it)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None, help="requests each engine runs at once"
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="ServeConfig.max_queued_requests (Serve's back-pressure; default: the app's)",
+    )
+    parser.add_argument("--json-out", default=None, help="also write the JSON report here")
     return parser.parse_args()
 
 
@@ -173,6 +192,9 @@ async def phase(base: str, port: int, args: argparse.Namespace, hostile: bool) -
         "normal_statuses": statuses,
         "normal_latency_s": summary([latency for _, latency, _ in results]),
         "normal_200_latency_s": summary([latency for st, latency, _ in results if st == 200]),
+        "normal_rejected_latency_s": summary(
+            [latency for st, latency, _ in results if st in (429, 503)]
+        ),
         "normal_wall_s": round(wall, 3),
         "health_latency_s": summary(health),
         "health_errors": health_errors,
@@ -198,10 +220,14 @@ def main() -> int:
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    engine = EngineConfig(model=model)
+    if args.max_num_seqs is not None:
+        engine = EngineConfig(model=model, max_num_seqs=args.max_num_seqs)
     config = ServeConfig(
-        engine=EngineConfig(model=model),
+        engine=engine,
         served_model_name="served",
-        max_waiting=max(256, args.normal),  # every normal request is taken (no 429)
+        max_waiting=args.max_waiting or max(256, args.normal),  # default: no 429 for a full queue
+        max_queued_requests=args.max_queued_requests,
         num_cpus=args.num_cpus,
         replicas=Replicas(num_replicas=args.num_replicas),
         prefix_routing=not args.no_prefix_routing,
@@ -221,6 +247,9 @@ def main() -> int:
             "partial_header_connections": args.partial,
             "max_tokens": args.max_tokens,
             "max_queue_wait_s": args.max_queue_wait,
+            "max_waiting": config.max_waiting,
+            "max_num_seqs": config.engine.max_num_seqs,
+            "serve_max_queued_requests": config.queued_limit,
             "serve_max_ongoing_requests": config.ongoing_limit,
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
@@ -229,6 +258,8 @@ def main() -> int:
             "hostile": hostile,
         }
         print(json.dumps(report, indent=1))
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(report, indent=1))
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -30,6 +30,7 @@ from pipeline.serve.cli import serve_config_from_app_args
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.errors import APIError
 from pipeline.serve.front import PrefixFront, run_asgi
+from pipeline.serve.gate import AdmissionGate, arrival_of
 from pipeline.serve.guard import GuardMiddleware, guard_limits
 from pipeline.serve.metrics import ServeMetrics, app_snapshots
 from pipeline.serve.protocol import HealthResponse
@@ -67,6 +68,13 @@ def create_api(
     limits = guard_limits(config)
     on_reject = metrics.record_rejected if metrics is not None else None
     api.add_middleware(GuardMiddleware, limits=limits, on_reject=on_reject)  # type: ignore[arg-type]
+    # outside the guard: a request the replica cannot take is answered before its body is read
+    api.add_middleware(
+        AdmissionGate,  # type: ignore[arg-type]
+        loop=service.loop,
+        retry_after_s=config.retry_after_s,
+        on_reject=on_reject,
+    )
     # Parsing, the chat template and tokenizing take up to seconds for a large body: off the
     # event loop, so streams and /health go on meanwhile (a few threads: it is CPU work).
     prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
@@ -149,19 +157,19 @@ def create_api(
     async def completions(request: Request) -> Response:
         body = await authorized_body(request)
         prepared = await prepared_in_thread(service.prepare_completion, body)
-        return await _answer(service, prepared)
+        return await _answer(service, prepared, arrival_of(request.scope))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await authorized_body(request)
         prepared = await prepared_in_thread(service.prepare_chat, body)
-        return await _answer(service, prepared)
+        return await _answer(service, prepared, arrival_of(request.scope))
 
     return api
 
 
-async def _answer(service: OpenAIService, prepared: Any) -> Response:
-    stream = service.submit(prepared)
+async def _answer(service: OpenAIService, prepared: Any, arrival: float | None) -> Response:
+    stream = service.submit(prepared, arrival)
     if prepared.stream:
         return StreamingResponse(
             service.events(prepared, stream), media_type="text/event-stream", headers=_SSE_HEADERS
@@ -285,6 +293,7 @@ def build_app(args: ServeConfig | Mapping[str, Any]) -> Application:
         config = serve_config_from_app_args(args)
     deployment = OpenAIDeployment.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.ongoing_limit,
+        **backpressure_options(config, config.queued_limit),
         **replica_options(config),
         **placement_options(config),
         **routing_options(config),
@@ -294,10 +303,34 @@ def build_app(args: ServeConfig | Mapping[str, Any]) -> Application:
         return app
     front = PrefixFront.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.ongoing_limit * config.replicas.highest,
+        **backpressure_options(config, front_queued_limit(config)),
         ray_actor_options={"num_cpus": FRONT_NUM_CPUS},
     )
     routed: Application = front.bind(app, guard_limits(config))
     return routed
+
+
+def backpressure_options(config: ServeConfig, max_queued: int) -> dict[str, Any]:
+    """Serve's back-pressure for a deployment: at most `max_queued` requests wait at each
+    caller (the proxy, the front's handle) for a replica with room; one more is answered 503
+    with Retry-After (`retry_after_s`) by Serve at once."""
+    from ray.serve.config import BackpressureConfig
+
+    return {
+        "max_queued_requests": max_queued,
+        "backpressure_config": BackpressureConfig(
+            status_code=503, retry_after_s=config.retry_after_s
+        ),
+    }
+
+
+def front_queued_limit(config: ServeConfig) -> int:
+    """Serve's max_queued_requests for the routing front: the engine deployment's by default
+    (already all replicas' room), times the replicas for an operator's per-replica bound."""
+    limit = config.queued_limit
+    if config.max_queued_requests is None or limit == -1:
+        return limit
+    return limit * config.replicas.highest
 
 
 def prefix_routed(config: ServeConfig) -> bool:

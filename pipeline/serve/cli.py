@@ -126,6 +126,14 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         help="Serve's max_ongoing_requests; default: staging + engine + slow bodies + 64",
     )
     group.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="requests Serve's proxy holds until a replica takes them (503 with Retry-After "
+        "beyond, Serve's back-pressure; Serve counts requests being routed too); default: "
+        "--max-ongoing-requests x replicas; -1: no limit",
+    )
+    group.add_argument(
         "--allow-special-tokens-in-messages",
         action="store_true",
         help="tokenize special-token text inside chat messages (e.g. <|im_end|>) as the token; "
@@ -203,6 +211,7 @@ def serve_config_from_args(
         max_slow_bodies=args.max_slow_bodies,
         max_requests_per_client=args.max_requests_per_client,
         max_ongoing_requests=args.max_ongoing_requests,
+        max_queued_requests=args.max_queued_requests,
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
         replicas=Replicas(
             num_replicas=args.num_replicas,

@@ -57,6 +57,15 @@ class ServeConfig:
     # a full staging queue, a full engine, the slow bodies and 64 more (e.g. /health), so the
     # replica answers 429 itself and Serve never queues /health behind held requests.
     max_ongoing_requests: int | None = None
+    # Requests Serve's proxy (or the routing front) holds for the engine deployment before a
+    # replica takes them; one more is answered 503 with Retry-After at once by Serve (its
+    # back-pressure: max_queued_requests, BackpressureConfig), never reaching a replica. Serve
+    # counts a request there from its arrival until a replica has accepted it, so also while
+    # replicas with room are being asked (a round trip each, long on a loaded box), not only
+    # while every replica is full: a bound near the staging queue's turns away requests the
+    # replica has room for. None: as many as the replicas take at once (max_ongoing_requests
+    # times the highest replica count); -1: no limit (Serve's default).
+    max_queued_requests: int | None = None
     # CPUs reserved for each replica's actor (fractions allowed); on GPUs, one GPU each too.
     num_cpus: float = 1.0
     # Text inside chat messages that spells a special token (`<|im_end|>`) is tokenized as
@@ -87,6 +96,12 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 (or None), got {value!r}")
+        queued = self.max_queued_requests
+        if queued is not None and (not isinstance(queued, int) or (queued < 1 and queued != -1)):
+            raise ValueError(
+                f"max_queued_requests must be an integer >= 1, or -1 for no limit (or None), "
+                f"got {queued!r}"
+            )
         if not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         if self.max_queue_wait_s is not None and not self.max_queue_wait_s > 0:
@@ -109,6 +124,13 @@ class ServeConfig:
         if self.max_ongoing_requests is not None:
             return self.max_ongoing_requests
         return self.max_waiting + self.engine.max_num_seqs + self.max_slow_bodies + 64
+
+    @property
+    def queued_limit(self) -> int:
+        """Serve's max_queued_requests for the engine deployment (see max_queued_requests)."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        return self.ongoing_limit * self.replicas.highest
 
     @property
     def model_name(self) -> str:

@@ -47,6 +47,18 @@ def internal_error(request_id: str) -> APIError:
     )
 
 
+def busy(reason: str, retry_after_s: int) -> APIError:
+    """429 with Retry-After: the replica cannot take the request now (its staging queue or
+    engine is full, or the request could not start within the start budget)."""
+    return APIError(
+        429,
+        f"the server is busy ({reason}); retry after {retry_after_s} s",
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 invalid_request_error."""
     return APIError(400, message, param=param, code=code)

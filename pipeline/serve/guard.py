@@ -93,13 +93,20 @@ def request_id_of(scope: Scope) -> str:
     return uuid.uuid4().hex
 
 
-async def send_json(send: Any, status: int, body: dict[str, object]) -> None:
-    """A whole JSON response; the connection is closed after it (the body may be unread)."""
+async def send_json(
+    send: Any, status: int, body: dict[str, object], extra: dict[str, str] | None = None
+) -> None:
+    """A whole JSON response (with `extra` headers); the connection is closed after it (the
+    body may be unread)."""
     payload = json.dumps(body).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(payload)),
         (b"connection", b"close"),
+    ]
+    headers += [
+        (name.lower().encode("latin-1"), value.encode("latin-1"))
+        for name, value in (extra or {}).items()
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
@@ -220,7 +227,7 @@ class GuardMiddleware:
     async def _reject(self, send: Any, error: APIError) -> None:
         if self.on_reject is not None:
             self.on_reject(error.status)
-        await send_json(send, error.status, error.body())
+        await send_json(send, error.status, error.body(), error.headers)
 
 
 def _replay(body: bytes, receive: Any) -> Any:

@@ -18,7 +18,13 @@ from actors.config import SamplingParams, logit_bias_pairs
 from actors.outputs import RequestOutput
 from actors.tokenization import ChatTemplateError, encode_chat, encode_text
 from pipeline.serve.config import ServeConfig
-from pipeline.serve.errors import APIError, bad_request, from_validation_error, internal_error
+from pipeline.serve.errors import (
+    APIError,
+    bad_request,
+    busy,
+    from_validation_error,
+    internal_error,
+)
 from pipeline.serve.logprobs import LogprobShaper
 from pipeline.serve.protocol import (
     ChatCompletionRequest,
@@ -121,22 +127,18 @@ class OpenAIService:
         )
         return self._prepared("chat", "chatcmpl", request, ids, max_tokens, "messages")
 
-    def submit(self, prepared: Prepared) -> RequestStream:
-        """Queue the request; a 429 APIError with Retry-After when the staging queue is full."""
+    def submit(self, prepared: Prepared, arrival: float | None = None) -> RequestStream:
+        """Queue the request; a 429 APIError with Retry-After when the staging queue is full.
+        `arrival`: when it reached the replica (pipeline/serve/gate.py), the start of its
+        max_queue_wait_s (default: now)."""
         try:
-            return self.loop.submit(prepared.prompt_token_ids, prepared.params)
+            return self.loop.submit(prepared.prompt_token_ids, prepared.params, arrival)
         except QueueFullError as exc:
             raise self.busy(exc) from exc
 
     def busy(self, exc: Exception) -> APIError:
         """429 with Retry-After: the staging queue is full or the request waited too long."""
-        return APIError(
-            429,
-            f"the server is busy ({exc}); retry after {self.config.retry_after_s} s",
-            type="rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(self.config.retry_after_s)},
-        )
+        return busy(str(exc), self.config.retry_after_s)
 
     async def respond(self, prepared: Prepared, stream: RequestStream) -> BaseModel:
         """Wait for the whole answer (non-streaming)."""

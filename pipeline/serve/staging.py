@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from pipeline.serve.metrics import ServeMetrics
 
 logger = logging.getLogger(__name__)
+
+# The engine's finish rate (what the admission gate predicts a newcomer's wait from) is measured
+# over the finishes of this many last seconds of busy time.
+RATE_WINDOW_S = 10.0
 
 
 class StepEngine(Protocol):
@@ -62,7 +66,8 @@ class _Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival: float
+    arrival: float  # entered the staging queue
+    since: float  # the start budget (max_queue_wait_s) counts from here: arrival at the replica
     latest: RequestOutput | None = None
     error: BaseException | None = None
     first_token_at: float | None = None
@@ -134,6 +139,8 @@ class EngineLoop:
         self.max_running = max_running
         self.max_queue_wait_s = max_queue_wait_s  # shed requests waiting longer (None: never)
         self.num_shed = 0  # requests answered 429 after waiting max_queue_wait_s
+        self._finished_at: deque[float] = deque()  # finish times within RATE_WINDOW_S
+        self._busy_since: float | None = None  # the engine has had work since then
         self._metrics = metrics
         self._clock = clock
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
@@ -178,12 +185,33 @@ class EngineLoop:
         self._wakeup.set()
         logger.info("admission policy now %s", admission)
 
-    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> RequestStream:
-        """Put a request in the staging queue; QueueFullError when it is at capacity."""
+    def finish_rate(self) -> float | None:
+        """Requests the engine finished per second over the last RATE_WINDOW_S seconds it was
+        busy; None before it has been busy a second or when nothing finished in the window."""
+        if self._busy_since is None:
+            return None
+        now = self._clock()
+        while self._finished_at and self._finished_at[0] < now - RATE_WINDOW_S:
+            self._finished_at.popleft()
+        span = min(RATE_WINDOW_S, now - self._busy_since)
+        if span < 1.0 or not self._finished_at:
+            return None
+        return len(self._finished_at) / span
+
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival: float | None = None,
+    ) -> RequestStream:
+        """Put a request in the staging queue; QueueFullError when it is at capacity.
+        `arrival`: when the request reached the replica (this loop's clock; default now), the
+        start of its max_queue_wait_s."""
         if len(self._waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
         now = self._clock()
-        request = _Request(f"srv-{next(self._ids)}", list(prompt_token_ids), params, now)
+        since = now if arrival is None else min(arrival, now)
+        request = _Request(f"srv-{next(self._ids)}", list(prompt_token_ids), params, now, since)
         self._waiting[request.request_id] = request
         self.controller.observe_arrival(now)
         self._wakeup.set()
@@ -228,7 +256,7 @@ class EngineLoop:
             self._dispatch(outputs)
             return
         if self._waiting and self.max_queue_wait_s is not None:  # wake to shed the oldest
-            shed_at = next(iter(self._waiting.values())).arrival + self.max_queue_wait_s
+            shed_at = min(r.since for r in self._waiting.values()) + self.max_queue_wait_s
             wake_at = shed_at if wake_at is None else min(wake_at, shed_at)
         timeout = None if wake_at is None else max(0.0, wake_at - self._clock())
         try:
@@ -237,20 +265,20 @@ class EngineLoop:
             pass
 
     def _shed_late(self) -> None:
-        """Answer (429) the requests that waited longer than max_queue_wait_s; oldest first,
-        so the scan stops at the first one still in time."""
+        """Answer (429) the waiting requests that reached the replica longer than
+        max_queue_wait_s ago."""
         if self.max_queue_wait_s is None:
             return
         now = self._clock()
-        while self._waiting:
-            request = next(iter(self._waiting.values()))
-            waited = now - request.arrival
+        for request in list(self._waiting.values()):
+            waited = now - request.since
             if waited <= self.max_queue_wait_s:
-                return
+                continue
             del self._waiting[request.request_id]
             self.num_shed += 1
             request.error = QueueTimeoutError(
-                f"the request waited {waited:.1f} s for the engine (max_queue_wait_s "
+                f"the request waited {waited:.1f} s for the engine since it reached the "
+                f"replica (max_queue_wait_s "
                 f"{self.max_queue_wait_s:g})"
             )
             request.changed.set()
@@ -263,6 +291,8 @@ class EngineLoop:
         count = decision.count
         if self.max_running is not None:
             count = min(count, max(0, self.max_running - len(self._running)))
+        if count and self._busy_since is None:
+            self._busy_since = now
         for _ in range(count):
             _, request = self._waiting.popitem(last=False)
             try:
@@ -321,7 +351,11 @@ class EngineLoop:
             request.changed.set()
             if output.finished:
                 del self._running[output.request_id]
+                self._finished_at.append(now)
                 self._record_finished(request, output, now)
+        if not self._running and not self._waiting:  # idle: the next busy spell measures anew
+            self._busy_since = None
+            self._finished_at.clear()
         self.controller.observe_ttfts(ttfts)
         if self._metrics is not None:
             self._metrics.record_step(

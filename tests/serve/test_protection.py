@@ -145,7 +145,7 @@ def test_full_staging_queue_is_429_with_retry_after(live: Live) -> None:
     # third request meets a full queue however slow the machine; 60 s only guards a hang.
     deadline = time.monotonic() + 60
     while requests.get(live.url("/health", "held"), timeout=10).json()["waiting"] < 2:
-        assert time.monotonic() < deadline, "the two held requests never reached the queue"
+        assert time.monotonic() < deadline, f"the held requests never reached the queue: {statuses}"
         time.sleep(0.02)
     rejected = requests.post(url, json=OK, timeout=30)
     error = error_of(rejected, 429)
@@ -160,6 +160,26 @@ def test_full_staging_queue_is_429_with_retry_after(live: Live) -> None:
     finally:
         handle.reconfigure.remote({"admission": asdict(live.configs["held"].admission)}).result()
     assert statuses == [200, 200]  # released, both were served
+
+
+def test_serve_turns_away_no_request_the_replica_has_room_for(live: Live) -> None:
+    """Serve counts a request against max_queued_requests while its proxy routes it (the probe
+    and reservation round trips to the replica), not only while every replica is full: more
+    requests in flight at once than the held app's staging queue holds (2) are all let through
+    to the replica, which has room for them (the 2026-11-25 hang: a /health poll and the 429
+    test's two held requests, routed at once on a loaded box, and Serve answered one 503)."""
+
+    async def main() -> list[int]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+            async def one() -> int:
+                async with session.get(live.url("/health", "held")) as response:
+                    await response.read()
+                    return response.status
+
+            return await asyncio.gather(*(one() for _ in range(40)))
+
+    assert asyncio.run(main()) == [200] * 40
 
 
 def test_disconnecting_stream_aborts_its_request(live: Live) -> None:
