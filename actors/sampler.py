@@ -3,10 +3,12 @@
 First `logit_bias` and the repetition, frequency and presence penalties adjust the rows
 that ask for them (actors/penalties.py, in vLLM v1's order), so greedy rows take the argmax
 of the adjusted logits. Greedy rows share one argmax. Random rows are scaled by temperature,
-filtered by min_p, then by top-k and top-p in one sort, and drawn by the exponential race
-(`argmax(p / q)`, q ~ Exp(1)), which is a draw from p; a seeded request draws its noise
-from its own `torch.Generator`, so its tokens depend only on its seed, not on what else
-shares the batch. Logprobs are of the raw model
+filtered by min_p, then by top-k and top-p in one sort, and drawn from p: a seeded request
+by the exponential race (`argmax(p / q)`, q ~ Exp(1)) with its noise from its own
+`torch.Generator`, so its tokens depend only on its seed, not on what else shares the batch;
+the unseeded rows together by inverse CDF (one uniform per row from the sampler's generator,
+`inverse_cdf_draw`), which costs a cumulative sum where the race costs a random number per
+token of the vocabulary. Logprobs are of the raw model
 distribution (vLLM's default), before bias, penalties, temperature and filters.
 
 `sample_each` isolates failures: when the batched call raises, each request is sampled alone
@@ -140,8 +142,9 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         vocab = logits.shape[-1]
-        temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
-        logits = logits / temperature[:, None]
+        temperatures = [r.params.temperature for r in requests]
+        if any(t != 1.0 for t in temperatures):  # dividing by 1 changes nothing: skip the pass
+            logits = logits / torch.tensor(temperatures, dtype=logits.dtype)[:, None]
         logits = apply_min_p(logits, [r.params.min_p for r in requests])
         # Clamped to the vocabulary before a tensor holds it (any top_k is a valid request).
         top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in requests]
@@ -149,13 +152,33 @@ class Sampler:
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
             logits = apply_top_k_top_p(logits, torch.tensor(top_k), torch.tensor(top_p))
         probs = torch.softmax(logits, dim=-1)  # [num_random, vocab]
-        noise = torch.empty_like(probs)
+        tokens = torch.empty(len(requests), dtype=torch.long)
         seeded = [i for i, r in enumerate(requests) if r.generator is not None]
-        if len(seeded) < len(requests):
-            noise.exponential_(generator=self.generator)
-        for i in seeded:
-            noise[i].exponential_(generator=requests[i].generator)
-        return (probs / noise).argmax(dim=-1)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            rows = probs if not seeded else probs[unseeded]
+            tokens[unseeded] = inverse_cdf_draw(rows, self.generator)
+        for i in seeded:  # the exponential race on the request's own stream
+            noise = torch.empty_like(probs[i]).exponential_(generator=requests[i].generator)
+            tokens[i] = (probs[i] / noise).argmax()
+        return tokens
+
+
+def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` `[rows, vocab]` (non-negative, each row summing to about
+    1): the first token whose cumulative probability exceeds a uniform draw scaled to the
+    row's total. One random number per row, where the exponential race draws one per token
+    (that noise was 239 ms of the race's ~370 ms at 256 rows x 49,152 tokens on one CPU
+    thread); a token of probability 0 is never drawn. Tokens per row, `[rows]` long."""
+    cdf = probs.cumsum(dim=-1)  # on CPU the running sum is kept in double
+    total = cdf[:, -1:]
+    target = torch.rand(total.shape, generator=generator, dtype=cdf.dtype) * total
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    over = picked >= probs.shape[-1]  # the product rounded up to the total itself
+    if bool(over.any()):
+        last = probs.shape[-1] - 1 - (probs[over].flip(-1) > 0).to(torch.uint8).argmax(dim=-1)
+        picked[over] = last
+    return picked
 
 
 def apply_top_k_top_p(
