@@ -1,6 +1,7 @@
 """The offline job with tensor/pipeline-parallel engines: one placement group per engine actor,
-outputs equal to the single-process engine's, a worker killed mid-shard redone on a fresh
-engine, retries that run out failing the job, and groups the cluster cannot hold failing fast."""
+tokens equal to Hugging Face's on each prompt alone (as the single-process engine's job is,
+test_job), a worker killed mid-shard redone on a fresh engine, retries that run out failing
+the job, and groups the cluster cannot hold failing fast."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ray.util.placement_group import placement_group_table
 from pipeline.engine_placement import check_cpu_room
 from pipeline.infer import InferStage
 from pipeline.job import run_job
-from tests.pipeline.data import MALFORMED, rows
+from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 from tests.pipeline.test_job import make_config, read_output
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
@@ -32,19 +33,34 @@ def parallel_config(table: Path, model_dir: Path, output: Path, tp: int = 1, pp:
 
 
 @pytest.fixture(scope="module")
-def reference(ray_cluster, prompt_table, tiny_model_dir, tmp_path_factory) -> dict[str, dict]:
-    """The same job on single-process engines."""
-    output = tmp_path_factory.mktemp("reference") / "out"
-    run_job(parallel_config(prompt_table, tiny_model_dir, output))
-    return read_output(output)
+def reference(prompt_table, tiny_model_dir) -> dict[str, list[int]]:
+    """Each valid row's tokens from Hugging Face `generate` on its prompt alone (the template
+    filled by str.format, the row's max_tokens or the job's 4): what test_job checks the
+    single-process engine's job against, so a tp x pp job must give the same."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.actors.reference import hf_greedy, torch_threads
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch_threads(1):
+        return {
+            row["id"]: hf_greedy(
+                model,
+                tokenizer.encode(TEMPLATE.format(**row), add_special_tokens=False),
+                row["max_tokens"] or 4,
+            )
+            for row in rows()
+            if row["id"] not in MALFORMED
+        }
 
 
-def assert_same_rows(out: dict[str, dict], reference: dict[str, dict]) -> None:
-    assert set(out) == {r["id"] for r in rows()} == set(reference)
-    for row_id, row in out.items():
-        ref = reference[row_id]
-        assert row["generated_token_ids"] == ref["generated_token_ids"], row_id
-        assert row["error"] == ref["error"], row_id
+def assert_same_rows(out: dict[str, dict], reference: dict[str, list[int]]) -> None:
+    assert set(out) == {r["id"] for r in rows()}
+    for row_id, expected in reference.items():
+        assert out[row_id]["error"] is None, (row_id, out[row_id]["error"])
+        assert out[row_id]["generated_token_ids"] == expected, row_id
     assert {i for i, r in out.items() if r["error"] is not None} == MALFORMED
 
 
@@ -52,7 +68,9 @@ def no_group_left() -> bool:
     return all(g["state"] == "REMOVED" for g in placement_group_table().values())
 
 
-def test_tp2_job_equals_single_engine(reference, prompt_table, tiny_model_dir, tmp_path) -> None:
+def test_tp2_job_equals_single_engine(
+    ray_cluster, reference, prompt_table, tiny_model_dir, tmp_path
+) -> None:
     run_job(parallel_config(prompt_table, tiny_model_dir, tmp_path / "out", tp=2))
     assert_same_rows(read_output(tmp_path / "out"), reference)
     assert no_group_left()
@@ -80,7 +98,7 @@ def crash_once_stage(marker: Path, stage: int, rank: int) -> type[InferStage]:
 
 
 def test_pp2_worker_killed_mid_shard_is_redone_on_a_fresh_engine(
-    reference, prompt_table, tiny_model_dir, tmp_path
+    ray_cluster, reference, prompt_table, tiny_model_dir, tmp_path
 ) -> None:
     marker = tmp_path / "crashed"
     config = parallel_config(prompt_table, tiny_model_dir, tmp_path / "out", pp=2)
