@@ -135,4 +135,7 @@ def test_retry_errors_drops_only_this_jobs_error_rows_from_their_files(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [mixed.name, clean.name, theirs.name]
     )
-    assert scan_output(tmp_path, prefix, retry_errors=True).retried == 0
+    left = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    again = scan_output(tmp_path, prefix, retry_errors=True)  # nothing left to retry
+    assert again.retried == 0 and again.done_ids == {"a", "c", "e"} and not again.removed
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == left  # nothing rewritten
