@@ -49,6 +49,10 @@ ROW_GROUP_ROWS = 65536  # rows buffered in a writer before they go to the file a
 ROW_GROUP_BYTES = 32 * 2**20  # ... or this many bytes (Arrow, uncompressed)
 WRITTEN_ROWS = "rows"  # a write task's one row: how many rows the writers took
 WRITTEN_SCHEMA = pa.schema([(WRITTEN_ROWS, pa.int64())])
+# A write task only waits on the writer actors. With a CPU share (0.25) it queued behind the
+# engine and tokenizer actors on a small node, the engine's finished shards piled up before
+# it and the driver's RSS grew with rows (docs/benchmarks-job.md, "The job at scale").
+WRITE_TASK_CPUS = 0.0001
 
 
 def writer_of(shard_id: str, num_writers: int) -> int:
