@@ -53,6 +53,10 @@ WRITTEN_SCHEMA = pa.schema([(WRITTEN_ROWS, pa.int64())])
 # engine and tokenizer actors on a small node, the engine's finished shards piled up before
 # it and the driver's RSS grew with rows (docs/benchmarks-job.md, "The job at scale").
 WRITE_TASK_CPUS = 0.0001
+# ... so Ray Data would start a write task (a worker process) for every finished block at
+# once: 24-33 Ray workers instead of 19 in a 2-core test job, which ran 1.5x as long. A
+# writer takes one append at a time, so more tasks than this per writer only wait.
+WRITE_TASKS_PER_WRITER = 2
 
 
 def writer_of(shard_id: str, num_writers: int) -> int:
@@ -208,13 +212,21 @@ class ShardSink:
         ]
         self.committed: list[tuple[str, int]] = []
         self.rows = 0
+        self.max_tasks = WRITE_TASKS_PER_WRITER * len(self.writers)  # write tasks at once
 
     def write(self, ds: Any, num_cpus: float = 1.0) -> Any:
         """Write `ds` (blocks with a shard column) and close the files; the written Dataset
-        (executed: its stats are there). On an error the writers are ended (a file they
-        left open stays invisible) and the error raised."""
+        (executed: its stats are there). At most `WRITE_TASKS_PER_WRITER` write tasks per
+        writer run at once. On an error the writers are ended (a file they left open stays
+        invisible) and the error raised."""
+        import ray.data
+
         written = ds.map_batches(
-            self.write_shards, batch_format="pyarrow", batch_size=None, num_cpus=num_cpus
+            self.write_shards,
+            batch_format="pyarrow",
+            batch_size=None,
+            num_cpus=num_cpus,
+            compute=ray.data.TaskPoolStrategy(size=self.max_tasks),
         )
         try:
             for counts in written.iter_batches(batch_size=None, batch_format="pyarrow"):

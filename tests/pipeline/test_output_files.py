@@ -88,9 +88,9 @@ def test_writer_files_appear_whole_and_a_killed_writer_loses_nothing(ray_cluster
 @pytest.mark.timeout(120)
 def test_sink_streams_the_write_and_holds_no_result_per_block(ray_cluster, tmp_path):
     """ShardSink.write: every shard's rows in the files once, the row count summed from the
-    write tasks as they end; the written Dataset keeps no block (the driver would pin each
-    one's lineage, as `write_datasink`'s materialized output did); a failing write ends the
-    writers with no file made visible."""
+    write tasks as they end (at most 2 per writer at once); the written Dataset keeps no block
+    (the driver would pin each one's lineage, as `write_datasink`'s materialized output did); a
+    failing write ends the writers with no file made visible."""
     import ray
     import ray.data
 
@@ -108,6 +108,9 @@ def test_sink_streams_the_write_and_holds_no_result_per_block(ray_cluster, tmp_p
     assert any(
         "write_shards" in op.operator_name for op in written.get_stats_summary().operators_stats
     )
+    write_op = written._logical_plan.dag  # at most 2 write tasks per writer at once
+    assert "write_shards" in write_op.name
+    assert write_op.compute == ray.data.TaskPoolStrategy(size=4) and sink.max_tasks == 4
     for writer in sink.writers:  # ended
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(writer.close.remote())
