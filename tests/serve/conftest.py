@@ -7,7 +7,8 @@
 All three give a request's body 3 s to arrive (408 beyond).
 
 Ray runs in a fresh temporary directory, started once per test session of this folder
-(`serve_instance`, which other apps, e.g. tests/serve/test_replicas.py's, share).
+(`serve_instance`, which other apps share: `two_replicas`, two replicas behind the
+prefix-routing front, deployed once for the tests of replicas, routing and metrics).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -36,6 +38,7 @@ API_KEY = "sk-test-123"
 HOLD_S = 600.0  # never expires within a test: the 429 test releases by switching policy
 BODY_TIMEOUT_S = 3.0  # a whole body within this (408 beyond)
 HELD_MAX_BODY = 2 << 20
+TWO_REPLICAS = "two-replicas"  # the app name of `two_replicas`
 
 
 @dataclass(frozen=True)
@@ -67,17 +70,29 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def two_replica_args(model_dir: Path) -> dict[str, str]:
-    """`serve run`-style string arguments of a two-replica app of the tiny model (0.5 CPU each,
-    no API keys whatever the environment holds)."""
+    """`serve run`-style string arguments of a two-replica app of the tiny model (0.1 CPU each:
+    `two_replicas` stays up beside `live` and tests/serve/test_parallel.py's tp app, no API
+    keys whatever the environment holds)."""
     return {
         "model": str(model_dir),
         "served_model_name": MODEL,
         "num_replicas": "2",
-        "num_cpus": "0.5",
+        "num_cpus": "0.1",
         "max_num_seqs": "8",
         "policy": "immediate",
         "api_keys_env": "",
     }
+
+
+def serve_run_builder(args: dict[str, str]) -> Any:
+    """What `serve run pipeline.serve:build_app k=v ...` does with its import path and
+    arguments (ray/serve/scripts.py): import the attribute, call it as an app builder."""
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    return call_user_app_builder_with_args_if_necessary(
+        import_attr("pipeline.serve:build_app"), args
+    )
 
 
 @dataclass(frozen=True)
@@ -165,6 +180,27 @@ def live(
     requests.get(live.url("/health"), timeout=10).raise_for_status()
     logger.info("live serve apps up in %.1f s", time.monotonic() - started)
     return live
+
+
+@pytest.fixture(scope="session")
+def two_replicas(serve_instance: ServeInstance, tiny_model_dir: Path) -> Iterator[str]:
+    """ONE app of two replicas of the tiny model behind the prefix-routing front (the default
+    with replicas), built from `two_replica_args` as `serve run` passes them; its base URL.
+    Deployed once, for the tests of replicas, routing and metrics (test_replicas.py,
+    test_routing.py, test_metrics_http.py): each of them starting its own took 17-26 s of
+    setup in the suite. Tests on it count from what they see before them (it has served other
+    tests' requests)."""
+    from ray import serve
+
+    serve.run(
+        serve_run_builder(two_replica_args(tiny_model_dir)),
+        name=TWO_REPLICAS,
+        route_prefix=f"/{TWO_REPLICAS}",
+    )
+    try:
+        yield f"{serve_instance.base}/{TWO_REPLICAS}"
+    finally:
+        serve.delete(TWO_REPLICAS)
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,11 @@
 """GET /metrics on live apps: Prometheus text of ALL the app's replicas.
 
-Two replicas of the tiny model (0.5 CPU each, tests/serve/conftest.py's two_replica_args), once
-behind the prefix-routing front (the front asks every replica) and once without it (the replica
-that gets /metrics asks every replica of its deployment): after completions that both replicas
-served (`x-raypack-replica`), the TTFT histogram counts every finished request and the
-generation-token counter is the sum of their usage.completion_tokens. One replica (conftest's
+Two replicas of the tiny model (tests/serve/conftest.py's two_replica_args), once behind the
+prefix-routing front (conftest's shared `two_replicas`; the front asks every replica) and once
+without it (a fresh app; the replica that gets /metrics asks every replica of its deployment):
+after completions that both replicas served (`x-raypack-replica`), the TTFT histogram has
+counted every finished request more than before them, and the generation-token counter has
+grown by the sum of their usage.completion_tokens. One replica (conftest's
 `main` app) answers from its own engine, and /metrics needs no API key (as /health, as vLLM's).
 Timeouts are hang guards only."""
 
@@ -40,20 +41,23 @@ def metrics_of(url: str) -> tuple[Mapping[str, str], dict[str, list[tuple[dict[s
 
 
 def total(parsed: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
-    return sum(v for _, v in parsed[name])
+    return sum(v for _, v in parsed.get(name, []))  # 0 before any request
 
 
 @pytest.fixture(scope="module", params=["front", "no-front"])
 def two_replica_app(
     request: pytest.FixtureRequest, serve_instance: ServeInstance, tiny_model_dir: Path
 ) -> Iterator[str]:
-    """A fresh two-replica app, with or without the prefix-routing front; its base URL."""
+    """Two replicas with the prefix-routing front (conftest's shared `two_replicas`), or a
+    fresh app of two without it; its base URL."""
     from ray import serve
 
-    name = f"metrics-{request.param}"
+    if request.param == "front":
+        yield request.getfixturevalue("two_replicas")
+        return
+    name = "metrics-no-front"
     args = two_replica_args(tiny_model_dir)
-    if request.param == "no-front":
-        args["no_prefix_routing"] = "true"
+    args["no_prefix_routing"] = "true"
     serve.run(build_app(args), name=name, route_prefix=f"/{name}")
     try:
         yield f"{serve_instance.base}/{name}"
@@ -68,6 +72,7 @@ def test_metrics_of_two_replicas_cover_both(two_replica_app: str) -> None:
         assert answer.status_code == 200, answer.text
         return answer.headers[REPLICA_HEADER], answer.json()["usage"]["completion_tokens"]
 
+    _, before = metrics_of(f"{two_replica_app}/metrics")  # the shared app served others
     served: dict[str, int] = {}  # replica -> requests it finished
     completion_tokens = 0
     deadline = time.monotonic() + 180  # hang guard: Serve's router spreads concurrent requests
@@ -83,15 +88,17 @@ def test_metrics_of_two_replicas_cover_both(two_replica_app: str) -> None:
     assert headers["content-type"].startswith("text/plain; version=0.0.4"), headers
     # the front answers itself; without it, the replica that got the request asked the others
     assert (REPLICA_HEADER in headers) == two_replica_app.endswith("no-front"), headers
-    assert total(parsed, "raypack:time_to_first_token_seconds_count") == finished
-    assert total(parsed, "raypack:e2e_request_latency_seconds_count") == finished
-    assert total(parsed, "raypack:request_success_total") == finished
-    assert total(parsed, "raypack:generation_tokens_total") == completion_tokens
+
+    def added(name: str) -> float:
+        return total(parsed, name) - total(before, name)
+
+    assert added("raypack:time_to_first_token_seconds_count") == finished
+    assert added("raypack:e2e_request_latency_seconds_count") == finished
+    assert added("raypack:request_success_total") == finished
+    assert added("raypack:generation_tokens_total") == completion_tokens
     # every token after a request's first one had a gap
-    assert total(parsed, "raypack:inter_token_latency_seconds_count") == (
-        completion_tokens - finished
-    )
-    assert total(parsed, "raypack:prompt_tokens_total") > 0
+    assert added("raypack:inter_token_latency_seconds_count") == completion_tokens - finished
+    assert added("raypack:prompt_tokens_total") > 0
     assert total(parsed, "raypack:num_replicas") == 2
     assert total(parsed, "raypack:num_requests_running") == 0
     per_replica = parsed["raypack:replica_kv_cache_usage_perc"]

@@ -2,9 +2,10 @@
 Ray Serve's app builder (string arguments, as `serve run` passes them, and docs/serve-config.yaml
 as `serve deploy` reads it).
 
-Live: ONE app of two replicas of the tiny model on 0.5 CPU each, built from string arguments,
-on the session's Serve (tests/serve/conftest.py): both replicas answer (each response names
-its replica) and greedy answers are Hugging Face `generate`'s on each. Without Ray: the
+Live: ONE app of two replicas of the tiny model, built from string arguments, on the
+session's Serve (tests/serve/conftest.py's `two_replicas`, shared with the routing and metrics
+tests): both replicas answer (each response names its replica) and greedy answers are Hugging
+Face `generate`'s on each. Without Ray: the
 deployment options the builder gives, and the command line's exit 2 naming the flag for a bad
 combination. Timeouts are hang guards only."""
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,11 +26,10 @@ from pipeline.commands.serve import main as serve_main
 from pipeline.serve import ServeConfig, build_app
 from pipeline.serve.app import replica_options
 from pipeline.serve.replicas import REPLICA_HEADER
-from tests.serve.conftest import MODEL, ServeInstance, two_replica_args
+from tests.serve.conftest import MODEL, TWO_REPLICAS, serve_run_builder
 from tests.serve.hf_reference import HFReference
 
 ROOT = Path(__file__).resolve().parents[2]
-APP = "replicas"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
 
 
@@ -41,17 +40,6 @@ def deployment_of(app: Any) -> Any:
     if deployment.name == "raypack-front":
         deployment = deployment.init_args[0]._bound_deployment
     return deployment
-
-
-def serve_run_builder(args: dict[str, str]) -> Any:
-    """What `serve run pipeline.serve:build_app k=v ...` does with its import path and
-    arguments (ray/serve/scripts.py): import the attribute, call it as an app builder."""
-    from ray._common.utils import import_attr
-    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
-
-    return call_user_app_builder_with_args_if_necessary(
-        import_attr("pipeline.serve:build_app"), args
-    )
 
 
 # --- the builder and its options, without Ray -------------------------------------------------
@@ -149,25 +137,12 @@ def test_command_exits_2_naming_the_flag(
 # --- two live replicas ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def two_replicas(serve_instance: ServeInstance, tiny_model_dir: Path) -> Iterator[str]:
-    """The app of two replicas (0.5 CPU each) built from string arguments; its base URL."""
-    from ray import serve
-
-    args = two_replica_args(tiny_model_dir)
-    serve.run(serve_run_builder(args), name=APP, route_prefix=f"/{APP}")
-    try:
-        yield f"{serve_instance.base}/{APP}"
-    finally:
-        serve.delete(APP)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_replicas_both_answer_like_hf_generate(two_replicas: str, tiny_model_dir: Path) -> None:
     from ray import serve
 
-    deployment = serve.status().applications[APP].deployments["raypack-openai"]
+    deployment = serve.status().applications[TWO_REPLICAS].deployments["raypack-openai"]
     states = {getattr(state, "value", state): n for state, n in deployment.replica_states.items()}
     assert states == {"RUNNING": 2}
 

@@ -1,9 +1,10 @@
 """Prefix-affinity routing (pipeline/serve/router.py, pipeline/serve/front.py).
 
-Live: ONE app of two replicas of the tiny model on 0.5 CPU each (routing on, the default) on
-the session's Serve: 4 long documents x 3 questions, shuffled, one at a time; every request on a
-document is answered by the same replica (`x-raypack-replica`) and each repeated one finds
->= 90% of its document's tokens cached. Without Ray: the routing decision, the prompt text it
+Live: ONE app of two replicas of the tiny model (routing on, the default; conftest's
+`two_replicas`, shared with the replicas and metrics tests) on the session's Serve: 4 long
+documents x 3 questions, shuffled, one at a time; every request on a document is answered by
+the same replica (`x-raypack-replica`) and each repeated one finds >= 90% of its document's
+tokens cached. Without Ray: the routing decision, the prompt text it
 keys, the front's body reading and its ASGI pass-through, and which apps route (routing off:
 Serve's default router, no front). Live, the front's guard: slow bodies beyond a client's cap
 are 429s and those within it 408s, answered by the front (no replica header), while /health and
@@ -16,7 +17,6 @@ import json
 import random
 import socket
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -42,9 +42,8 @@ from pipeline.serve.router import (
     prefix_hashes,
     routing_text,
 )
-from tests.serve.conftest import MODEL, ServeInstance, two_replica_args
+from tests.serve.conftest import MODEL
 
-APP = "routing"
 TOPICS = ["rivers", "engines", "gardens", "comets"]
 QUESTIONS = ["What is it about?", "Name one detail.", "Summarize it briefly."]
 
@@ -200,23 +199,10 @@ def test_routing_is_on_with_replicas_and_off_by_flag_or_with_one() -> None:
 # --- two live replicas ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def routed_app(serve_instance: ServeInstance, tiny_model_dir: Path) -> Iterator[str]:
-    """Two replicas (0.5 CPU each) behind the prefix-routing front; its base URL."""
-    from ray import serve
-
-    args = two_replica_args(tiny_model_dir)
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
-    try:
-        yield f"{serve_instance.base}/{APP}"
-    finally:
-        serve.delete(APP)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_shared_documents_go_to_one_replica_and_hit_its_cache(
-    routed_app: str, tiny_model_dir: Path
+    two_replicas: str, tiny_model_dir: Path
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     docs = {topic: document(topic, seed) for seed, topic in enumerate(TOPICS)}
@@ -229,7 +215,7 @@ def test_shared_documents_go_to_one_replica_and_hit_its_cache(
     ratios: list[float] = []
     for topic, question in asks:
         body = {"model": MODEL, "prompt": docs[topic] + question, "max_tokens": 2, "temperature": 0}
-        answer = requests.post(f"{routed_app}/v1/completions", json=body, timeout=120)
+        answer = requests.post(f"{two_replicas}/v1/completions", json=body, timeout=120)
         assert answer.status_code == 200, answer.text
         replicas[topic].add(answer.headers[REPLICA_HEADER])
         cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -259,8 +245,8 @@ def aborted_by_replica(base: str, replicas: int = 2) -> dict[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_client_leaving_a_routed_stream_aborts_it_on_its_replica(routed_app: str) -> None:
-    before = aborted_by_replica(routed_app)
+def test_a_client_leaving_a_routed_stream_aborts_it_on_its_replica(two_replicas: str) -> None:
+    before = aborted_by_replica(two_replicas)
     body = {
         "model": MODEL,
         "prompt": document("tides", 9) + "Go on.",
@@ -268,13 +254,13 @@ def test_a_client_leaving_a_routed_stream_aborts_it_on_its_replica(routed_app: s
         "ignore_eos": True,
         "stream": True,
     }
-    with requests.post(f"{routed_app}/v1/completions", json=body, stream=True, timeout=120) as r:
+    with requests.post(f"{two_replicas}/v1/completions", json=body, stream=True, timeout=120) as r:
         assert r.status_code == 200
         replica = r.headers[REPLICA_HEADER]
         next(r.iter_lines())  # the stream is running; leave at once
     # the connection is closed: the front cancels its call, and with it the replica's work
     for _ in range(600):  # hang guard
-        if aborted_by_replica(routed_app)[replica] > before[replica]:
+        if aborted_by_replica(two_replicas)[replica] > before[replica]:
             return
         time.sleep(0.1)
     raise AssertionError("the replica never dropped the stream of the client that left")
@@ -303,9 +289,9 @@ def answer_of(sock: socket.socket) -> tuple[int, bytes]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_front_caps_slow_bodies_per_client_and_keeps_answering(routed_app: str) -> None:
+def test_the_front_caps_slow_bodies_per_client_and_keeps_answering(two_replicas: str) -> None:
     per_client = ServeConfig().max_slow_bodies_per_client
-    socks = [open_slow_body(routed_app, "/v1/completions") for _ in range(per_client + 4)]
+    socks = [open_slow_body(two_replicas, "/v1/completions") for _ in range(per_client + 4)]
     with ThreadPoolExecutor(max_workers=len(socks)) as pool:
         try:
             answers = [pool.submit(answer_of, sock) for sock in socks]
@@ -314,9 +300,9 @@ def test_the_front_caps_slow_bodies_per_client_and_keeps_answering(routed_app: s
             for count, _ in enumerate(as_completed(answers, timeout=120), start=1):
                 if count == 4:
                     break
-            assert requests.get(f"{routed_app}/health", timeout=60).status_code == 200
+            assert requests.get(f"{two_replicas}/health", timeout=60).status_code == 200
             body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
-            answer = requests.post(f"{routed_app}/v1/completions", json=body, timeout=60)
+            answer = requests.post(f"{two_replicas}/v1/completions", json=body, timeout=60)
             assert answer.status_code == 200, answer.text
             results = [future.result(timeout=120) for future in answers]
         finally:
