@@ -42,6 +42,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from benchmarks.cpu_share import CpuSampler  # noqa: E402
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig  # noqa: E402
 from pipeline.infer import InferStage  # noqa: E402
 from pipeline.job import run_job  # noqa: E402
@@ -85,8 +86,11 @@ def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def engine_alone(rows: list, params: SamplingParams, threads: int) -> dict[str, Any]:
-    """All prompts through one `generate` call; its wall time, tokens and outputs by id."""
+def engine_alone(
+    rows: list, params: SamplingParams, threads: int, sampler: CpuSampler | None = None
+) -> dict[str, Any]:
+    """All prompts through one `generate` call; its wall time, tokens and outputs by id
+    (and with a `sampler`, the cores each process held during the call)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -97,7 +101,8 @@ def engine_alone(rows: list, params: SamplingParams, threads: int) -> dict[str, 
     warm = engine.stats
     loaded = time.perf_counter()
     outs = engine.generate(prompts, params)
-    wall = time.perf_counter() - loaded
+    ended = time.perf_counter()
+    wall = ended - loaded
     stats = engine.stats
     result = {
         "load_s": round(loaded - started, 2),
@@ -107,6 +112,7 @@ def engine_alone(rows: list, params: SamplingParams, threads: int) -> dict[str, 
         "step_s": round(stats.step_seconds - warm.step_seconds, 2),
         "outputs": {rid: list(o.token_ids) for (rid, _), o in zip(rows, outs, strict=True)},
         "prompt_tokens": {rid: len(p) for (rid, _), p in zip(rows, prompts, strict=True)},
+        "cpu_cores": sampler.cores_between(loaded, ended) if sampler else {},
     }
     del engine
     gc.collect()
@@ -184,8 +190,10 @@ def run_one_job(
     params: SamplingParams,
     steps_file: Path,
     threads: int,
+    sampler: CpuSampler | None = None,
 ) -> dict[str, Any]:
-    """One job on a fresh local Ray; its wall time, breakdown, engine steps and outputs."""
+    """One job on a fresh local Ray; its wall time, breakdown, engine steps and outputs (and
+    with a `sampler`, the cores each process held while the engine stepped)."""
     import ray
 
     started = time.perf_counter()
@@ -253,6 +261,7 @@ def run_one_job(
         "shards_done": [round(t - first_step, 3) for t in steps["shards_done"]],
         "outputs": dict(zip(ids, out["generated_token_ids"].to_pylist(), strict=True)),
         "prompt_tokens": dict(zip(ids, out["num_prompt_tokens"].to_pylist(), strict=True)),
+        "cpu_cores": sampler.cores_between(first_step, last_step) if sampler else {},
     }
 
 
@@ -277,6 +286,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--no-alone", action="store_true", help="the job only (no ratios): for long plot runs"
     )
+    parser.add_argument(
+        "--cpu-shares",
+        action="store_true",
+        help="sample every process's CPU (Linux /proc, each second) and report the cores each "
+        "held while the engine stepped, alone and in the job",
+    )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.shard_sizes.split(",")]
 
@@ -292,19 +307,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     alone_runs: list[dict] = []
     jobs: dict[str, list[dict]] = {str(s): [] for s in sizes}
+    sampler = CpuSampler().start() if args.cpu_shares else None
     try:
         for rep in range(args.repeats):
             if not args.no_alone:
-                alone_runs.append(engine_alone(rows, params, args.threads))
+                alone_runs.append(engine_alone(rows, params, args.threads, sampler))
                 print(f"rep {rep}: engine alone {alone_runs[-1]['generate_s']} s", file=sys.stderr)
             for size in sizes:
                 key, out = str(size), work / f"out-{size}-{rep}"
                 jobs[key].append(
-                    run_one_job(table, out, size, params, work / "steps.json", args.threads)
+                    run_one_job(
+                        table, out, size, params, work / "steps.json", args.threads, sampler
+                    )
                 )
                 print(f"rep {rep}: job {key} {jobs[key][-1]['wall_s']} s", file=sys.stderr)
                 shutil.rmtree(out, ignore_errors=True)
     finally:
+        if sampler:
+            sampler.stop()
         shutil.rmtree(work, ignore_errors=True)
     result = json.dumps(report(args, alone_runs, jobs), indent=2)
     if args.json:  # written first: Ray may print after us on stdout
@@ -341,6 +361,7 @@ def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[str, lis
             "steps": ref["steps"],
             "step_s": statistics.median(r["step_s"] for r in alone_runs),
             "threads": args.threads,
+            "cpu_cores_last_run": alone_runs[-1]["cpu_cores"],
         }
     for size, runs in jobs.items():
         last = runs[-1]
@@ -358,6 +379,8 @@ def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[str, lis
             "steps_with_none_waiting": sum(w == 0 for w in last["waiting_per_step"]),
             "rows": last["rows"],
             "generated_tokens": sum(len(v) for v in last["outputs"].values()),
+            # the cores each process held while the engine stepped (--cpu-shares)
+            "cpu_cores_during_steps": last["cpu_cores"],
         }
         if alone_runs:
             pairs = list(zip(alone_runs, runs, strict=True))
