@@ -35,6 +35,10 @@ def ray_cluster() -> Iterator[str]:
         resources={"fake_gpu": 2},
         _temp_dir=temp_dir,
         include_dashboard=False,
+        # Keep up to 16 idle workers between tasks (Ray's default keeps num_cpus): each job's
+        # read, plan and write tasks then reuse the last job's workers instead of starting
+        # new processes (test_duplicate_ids.py's three jobs alone: 45-49 s -> 38 s).
+        _system_config={"num_workers_soft_limit": 16},
     )
     ray.data.DataContext.get_current().enable_progress_bars = False
     try:
