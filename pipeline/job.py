@@ -243,7 +243,7 @@ def run_job(
             )
     import ray
 
-    from pipeline.writer import WRITE_TASK_CPUS, ShardSink
+    from pipeline.writer import ShardSink
 
     started = time.perf_counter()
     prepared = prepared or prepare(config)
@@ -266,7 +266,7 @@ def run_job(
                 config.files,
                 config.files.num_writers or config.compute.num_actors,
             )
-            written = sink.write(ds, WRITE_TASK_CPUS)
+            written = sink.write(ds)
             plan = ray.get(collector.plan_total.remote())
             if on_written is not None:
                 on_written(written)

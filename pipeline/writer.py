@@ -214,7 +214,7 @@ class ShardSink:
         self.rows = 0
         self.max_tasks = WRITE_TASKS_PER_WRITER * len(self.writers)  # write tasks at once
 
-    def write(self, ds: Any, num_cpus: float = 1.0) -> Any:
+    def write(self, ds: Any, num_cpus: float = WRITE_TASK_CPUS) -> Any:
         """Write `ds` (blocks with a shard column) and close the files; the written Dataset
         (executed: its stats are there). At most `WRITE_TASKS_PER_WRITER` write tasks per
         writer run at once. On an error the writers are ended (a file they left open stays
