@@ -6,6 +6,8 @@ the cause goes to the replica's log under that id.
 
 from __future__ import annotations
 
+import math
+
 from pydantic import ValidationError
 
 from pipeline.serve.protocol import ErrorDetail, ErrorResponse
@@ -56,6 +58,19 @@ def busy(reason: str, retry_after_s: int) -> APIError:
         type="rate_limit_error",
         code="rate_limit_exceeded",
         headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def overloaded(reason: str, retry_after_s: float | None = None) -> APIError:
+    """503 with Retry-After: Serve's back-pressure turned the request away (every engine replica
+    is full and as many requests as allowed wait for one)."""
+    retry = retry_after_s if retry_after_s is not None else 1
+    return APIError(
+        503,
+        f"the server is overloaded ({reason}); retry after {retry:g} s",
+        type="server_error",
+        code="overloaded",
+        headers={"Retry-After": str(math.ceil(retry))},
     )
 
 

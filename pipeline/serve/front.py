@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
@@ -30,7 +29,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.serve.errors import APIError
+from pipeline.serve.errors import overloaded
 from pipeline.serve.guard import GuardLimits, GuardMiddleware, app_path, send_json
 from pipeline.serve.metrics import app_snapshots
 from pipeline.serve.replicas import Receive, Scope, Send
@@ -163,19 +162,6 @@ def front_app(forward: Forward, limits: GuardLimits, snapshots: Snapshots | None
             await guarded(scope, receive, send)
 
     return app
-
-
-def overloaded(reason: str, retry_after_s: float | None = None) -> APIError:
-    """503 with Retry-After: Serve's back-pressure turned the request away (every engine replica
-    is full and as many requests as allowed wait for one)."""
-    retry = retry_after_s if retry_after_s is not None else 1
-    return APIError(
-        503,
-        f"the server is overloaded ({reason}); retry after {retry:g} s",
-        type="server_error",
-        code="overloaded",
-        headers={"Retry-After": str(math.ceil(retry))},
-    )
 
 
 async def send_metrics(snapshots: Snapshots, scope: Scope, send: Send) -> None:

@@ -22,6 +22,7 @@ from pipeline.serve.gate import ARRIVAL_KEY, AdmissionGate, arrival_of
 from pipeline.serve.guard import GuardLimits
 from pipeline.serve.replicas import Replicas
 from pipeline.serve.staging import EngineLoop, QueueTimeoutError
+from tests.serve.test_queue_wait import held_loop
 from tests.serve.test_replicas import deployment_of
 from tests.serve.test_staging import FakeEngine, collect, run, until
 
@@ -150,14 +151,7 @@ def test_the_gate_stamps_the_arrival_on_a_copy_of_the_state() -> None:
 def test_the_queue_deadline_counts_from_the_arrival_at_the_replica() -> None:
     async def main() -> None:
         gate = threading.Event()
-        engine = FakeEngine(gate=gate)
-        loop = EngineLoop(
-            engine,
-            AdmissionConfig(policy="immediate"),
-            max_waiting=8,
-            max_running=1,
-            max_queue_wait_s=30.0,
-        )
+        engine, loop = held_loop(gate, wait_s=30.0)
         loop.start()
         params = SamplingParams(max_tokens=2)
         first = loop.submit([1], params)

@@ -22,15 +22,16 @@ from tests.tiny_tokenizers import tiny_tokenizer
 WAIT_S = 0.2
 
 
-def held_loop(gate: threading.Event) -> tuple[FakeEngine, EngineLoop]:
-    """One request at a time in the engine, whose first step waits for `gate`."""
+def held_loop(gate: threading.Event, wait_s: float = WAIT_S) -> tuple[FakeEngine, EngineLoop]:
+    """One request at a time in the engine, whose first step waits for `gate`; requests wait
+    at most `wait_s` for it."""
     engine = FakeEngine(gate=gate)
     loop = EngineLoop(
         engine,
         AdmissionConfig(policy="immediate"),
         max_waiting=8,
         max_running=1,
-        max_queue_wait_s=WAIT_S,
+        max_queue_wait_s=wait_s,
     )
     return engine, loop
 
