@@ -6,10 +6,11 @@ the job taking 153 steps where the engine alone takes 145. This counts the steps
 without the model's cost: the embedded SmolLM2 generates once (greedy, in the Alpaca order, as
 `bench_job.py`'s engine alone) to learn each prompt's output length, then a tiny random model of
 the same vocabulary runs every order with each prompt's `max_tokens` set to that length and
-`ignore_eos`, so each schedule is the real one. A fresh engine per order (no prefix cache
-carried over).
+`ignore_eos` and the real engine's count of KV blocks, so each schedule is the real one
+(preemptions included). A fresh engine per order (no prefix cache carried over).
 
-    python benchmarks/order_steps.py --num-prompts 512 --max-tokens 64 --json orders.json
+    python benchmarks/order_steps.py --num-prompts 512 --max-tokens 64 [--dataset hh] \
+        --json orders.json
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from benchmarks._pipeline_workloads import hh_rows  # noqa: E402
 from benchmarks.bench_job import alpaca_messages, prompt_ids  # noqa: E402
 from packing import PrefixGroup  # noqa: E402
 from pipeline import stage  # noqa: E402
@@ -38,10 +40,13 @@ from tests.tiny_models import save_tiny_model  # noqa: E402
 Batch = tuple[list[int], list[PrefixGroup]]  # prompt indices, their groups (over the batch)
 
 
-def count_steps(model: str, prompts: list, lengths: list[int], batches: list[Batch]) -> int:
-    """Steps of a fresh engine given `batches` (each one `add_prompts` call) before its first
-    step, every prompt generating exactly its `lengths` tokens."""
-    engine = LLMEngine(EngineConfig(model=model))
+def count_steps(
+    model: str, prompts: list, lengths: list[int], batches: list[Batch], num_kv_blocks: int
+) -> int:
+    """Steps of a fresh engine with `num_kv_blocks` KV blocks given `batches` (each one
+    `add_prompts` call) before its first step, every prompt generating exactly its `lengths`
+    tokens."""
+    engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=num_kv_blocks))
     for rows, groups in batches:
         params = [SamplingParams(max_tokens=max(1, lengths[r]), ignore_eos=True) for r in rows]
         engine.add_prompts([prompts[r] for r in rows], params, groups)
@@ -88,27 +93,46 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--shard-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dataset",
+        choices=("alpaca", "hh"),
+        default="alpaca",
+        help="alpaca: chat-templated instructions (bench_job.py's); hh: HH-RLHF transcripts as "
+        "text, a chosen and a rejected row per dialogue (they share the dialogue's prefix)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens", type=int, default=256, help="hh: dialogues whose rows fit this"
+    )
     parser.add_argument("--json", help="write the report to this file (too)")
     args = parser.parse_args(argv)
 
-    rows = alpaca_messages(args.num_prompts, args.seed)
     real = LLMEngine(EngineConfig())
-    prompts = [prompt_ids(real.tokenizer, m) for _, m in rows]
+    if args.dataset == "alpaca":
+        rows = alpaca_messages(args.num_prompts, args.seed)
+        prompts = [prompt_ids(real.tokenizer, m) for _, m in rows]
+    else:  # text prompts, tokenized as the job does (the tokenizer's own special tokens)
+        texts = hh_rows(args.num_prompts // 2, args.max_prompt_tokens, real.tokenizer, args.seed)
+        prompts = [list(real.tokenizer(r["text"])["input_ids"]) for r in texts]
     outs = real.generate(prompts, SamplingParams(max_tokens=args.max_tokens))
     lengths = [len(o.token_ids) for o in outs]
     real_steps = real.stats.num_steps
+    # The tiny model's KV is far smaller per token: give it the real engine's block count, so
+    # a schedule bound by KV room (long prompts: HH) preempts where the real one does.
+    num_kv_blocks = real.kv.num_blocks
     del real
     tiny = save_tiny_model(Path(tempfile.mkdtemp(prefix="order-steps-")) / "model")
     steps = {
-        name: count_steps(str(tiny), prompts, lengths, batches)
+        name: count_steps(str(tiny), prompts, lengths, batches, num_kv_blocks)
         for name, batches in orders(prompts, lengths, args.shard_size, args.max_tokens).items()
     }
     result = json.dumps(
         {
-            "prompts": args.num_prompts,
+            "dataset": args.dataset,
+            "prompts": len(prompts),
             "max_tokens": args.max_tokens,
             "generated_tokens": sum(lengths),
             "real_engine_steps_input_order": real_steps,
+            "num_kv_blocks": num_kv_blocks,
             "steps": steps,
         },
         indent=2,
