@@ -100,6 +100,18 @@ def test_plan_groups_rows_sharing_a_prefix_and_passes_errors_through():
     assert main[stage.PREFIX_GROUP_PARENTS] == [-1, -1]
 
 
+def test_shards_run_the_lowest_ratio_groups_first():
+    """The ratio order (a large shared group of short prompts first) cut into shards, the
+    shards then taken last-first: fewer engine steps (pipeline/plan.py)."""
+    rows = [(f"a{i}", DOC_A + [i], None) for i in range(4)]
+    rows += [("long1", list(range(500, 700)), None), ("long2", list(range(800, 990)), None)]
+    shards, _ = plan_partition(
+        tokenized(rows), PlanConfig(max_rows_per_shard=4), SamplingParams(), []
+    )
+    got = [sorted(ids) for ids in shards.column(stage.ID).to_pylist()]
+    assert got == [["long1", "long2"], ["a0", "a1", "a2", "a3"]]
+
+
 @pytest.mark.parametrize(("nested", "saved"), [(True, 8 * 3 + 80 + 70), (False, 88 + 78)])
 def test_nested_groups_share_a_common_opening_once(nested, saved):
     """Two documents behind one 8-token opening: nested groups compute the opening once, then
