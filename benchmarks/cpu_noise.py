@@ -1,0 +1,158 @@
+"""The engine's step speed beside other processes' short CPU bursts, as a Ray node's are.
+
+On a node where the engine's torch threads take every core, each other process that wakes
+(Ray's raylet, GCS and agents, Ray Data's executor loop and actors: ~0.14 of a core in all on
+this box, `bench_job.py --cpu-shares`) takes a core from one torch thread, and the other
+thread waits for it at the end of the parallel section. This measures what that costs the
+engine alone, without Ray: the same `generate` call quiet, then beside `--noise-procs`
+processes that each wake every `--period-ms` and burn `--burst-ms`, with the engine at nice 0
+and at nice 15 (Ray starts its workers at nice 15, so an engine actor runs there). Each case
+runs in a fresh process, the cases alternate, and the report gives each case's median
+seconds per step and its ratio to quiet.
+
+    RAYPACK_DATA_DIR=../shared/data python benchmarks/cpu_noise.py --repeats 2 --json noise.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CASES = {  # name -> (noise processes on, the engine's niceness)
+    "quiet": (False, 0),
+    "noise": (True, 0),
+    "noise, engine at nice 15": (True, 15),
+}
+
+
+def burn(period_s: float, burst_s: float, seconds: float) -> None:
+    """Wake every `period_s`, spin `burst_s`, for `seconds`."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(period_s)
+        started = time.perf_counter()
+        while time.perf_counter() - started < burst_s:
+            pass
+
+
+def step_seconds(
+    model: str, prompts: list[list[int]], max_tokens: int, threads: int, nice: int
+) -> dict[str, float]:
+    """One warm `generate` of `prompts` in this process; its steps and seconds per step."""
+    import torch
+
+    from actors import EngineConfig, LLMEngine, SamplingParams
+
+    torch.set_num_threads(threads)
+    if nice:
+        os.nice(nice)
+    engine = LLMEngine(EngineConfig(model=model))
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
+    warm = engine.stats
+    engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    stats = engine.stats
+    steps = stats.num_steps - warm.num_steps
+    return {"steps": steps, "step_s": (stats.step_seconds - warm.step_seconds) / steps}
+
+
+def alpaca(num_prompts: int) -> tuple[str, list[list[int]]]:
+    """bench_job.py's chat-templated Alpaca prompts for the embedded model."""
+    from actors.loader import EMBEDDED_NAME, load_tokenizer
+    from benchmarks.bench_job import alpaca_messages, prompt_ids
+
+    tokenizer = load_tokenizer(EMBEDDED_NAME)
+    return EMBEDDED_NAME, [prompt_ids(tokenizer, m) for _, m in alpaca_messages(num_prompts, 0)]
+
+
+def run_case(name: str, args: argparse.Namespace, prompts_file: Path) -> dict[str, float]:
+    """`name`'s measurement in a fresh process (a niceness cannot be lowered again)."""
+    noisy, nice = CASES[name]
+    burners = []
+    if noisy:
+        burn_args = [str(args.period_ms / 1e3), str(args.burst_ms / 1e3), "3600"]
+        burners = [
+            subprocess.Popen([sys.executable, __file__, "--burn", *burn_args])
+            for _ in range(args.noise_procs)
+        ]
+    try:
+        out = subprocess.run(
+            [sys.executable, __file__, "--measure", str(prompts_file), str(nice)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--burn":
+        burn(*(float(a) for a in argv[1:4]))
+        return
+    if argv and argv[0] == "--measure":
+        spec = json.loads(Path(argv[1]).read_text())
+        result = step_seconds(
+            spec["model"], spec["prompts"], spec["max_tokens"], spec["threads"], int(argv[2])
+        )
+        print(json.dumps(result))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=192)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--noise-procs", type=int, default=10)
+    parser.add_argument("--period-ms", type=float, default=100.0)
+    parser.add_argument("--burst-ms", type=float, default=1.4)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", help="write the report to this file (too)")
+    args = parser.parse_args(argv)
+
+    model, prompts = alpaca(args.num_prompts)
+    spec = {
+        "model": model,
+        "prompts": prompts,
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts_file = Path(tmp) / "spec.json"
+        prompts_file.write_text(json.dumps(spec))
+        runs: dict[str, list[float]] = {name: [] for name in CASES}
+        names = list(CASES)
+        for rep in range(args.repeats):
+            shift = rep % len(names)
+            for name in names[shift:] + names[:shift]:
+                runs[name].append(run_case(name, args, prompts_file)["step_s"])
+    import statistics
+
+    quiet = statistics.median(runs["quiet"])
+    report = {
+        "threads": args.threads,
+        "noise_cores": round(args.noise_procs * args.burst_ms / args.period_ms, 3),
+        "step_s_runs": {k: [round(v, 4) for v in vs] for k, vs in runs.items()},
+        "step_s_vs_quiet": {k: round(statistics.median(vs) / quiet, 3) for k, vs in runs.items()},
+        "loadavg": list(os.getloadavg()),
+    }
+    text = json.dumps(report, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""benchmarks/cpu_noise.py: its burner stops when told and burns, and its measuring child
+reports the steps and seconds per step of a warm `generate` (a tiny model, no ../shared)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import cpu_noise
+from tests.tiny_models import save_tiny_model
+
+
+def test_the_burner_burns_in_bursts_and_stops_after_its_seconds():
+    wall, cpu = time.monotonic(), time.process_time()
+    cpu_noise.burn(period_s=0.01, burst_s=0.005, seconds=0.3)
+    assert 0.3 <= time.monotonic() - wall < 5
+    assert time.process_time() - cpu > 0.05  # it spun, it did not only sleep
+
+
+def test_the_measuring_child_reports_every_step_of_its_prompts(tmp_path: Path):
+    model = save_tiny_model(tmp_path / "model")
+    spec = tmp_path / "spec.json"
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
+    spec.write_text(
+        json.dumps({"model": str(model), "prompts": prompts, "max_tokens": 4, "threads": 1})
+    )
+    out = subprocess.run(
+        [sys.executable, cpu_noise.__file__, "--measure", str(spec), "0"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    # three prompts prefilled in one step, then at most 3 more decode steps (ignore_eos off,
+    # so an early EOS may end a row sooner): never fewer than 1, never more than 4
+    assert 1 <= result["steps"] <= 4
+    assert result["step_s"] > 0
