@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -138,8 +139,6 @@ def main(argv: list[str] | None = None) -> None:
             shift = rep % len(names)
             for name in names[shift:] + names[:shift]:
                 runs[name].append(run_case(name, args, prompts_file)["step_s"])
-    import statistics
-
     quiet = statistics.median(runs["quiet"])
     report = {
         "threads": args.threads,

@@ -7,8 +7,8 @@ part of that, the groups are
 ordered by `packing.order_groups`, and cut into shards: whole groups up to a row and token
 limit, so a group is never split between engine actors, unless it alone is over the limit,
 when its parts each repeat the prefix (logged). The shards then run in the reverse of that
-order (fewer engine steps, measured: see `plan_partition`). Rows without a shared prefix are packed into
-the same shards, so the engine always sees many sequences at once.
+order (fewer engine steps, measured: see `plan_partition`). Rows without a shared prefix are
+packed into the same shards, so the engine always sees many sequences at once.
 
 Inside a shard the engine gets `packing.prefix_forest`'s nested groups over the shard's rows
 (PlanConfig.nested; the shard's part of the same sorted rows): what the first-level groups share, and also what they share with each
@@ -216,11 +216,12 @@ def plan_partition(
     shards, stats.split_groups = cut_shards(
         groups, lens, config.max_rows_per_shard, config.max_tokens_per_shard
     )
-    # With the ratio order, the shards run last-cut first: the lowest-ratio groups (long prompts, shared by few)
-    # enter the engine first, the large shared groups of short prompts last. Measured
-    # (benchmarks/order_steps.py, docs/benchmarks-job-engine.md): fewer engine steps than the
-    # ratio order itself in every case tried, 3 of 150 on Alpaca (32- and 64-row shards, 32
-    # and 64 new tokens; the real engine 147 against 152) and 10 of 234 on HH-RLHF.
+    # With the ratio order, the shards run last-cut first: the lowest-ratio groups (long
+    # prompts, shared by few) enter the engine first, the large shared groups of short prompts
+    # last. Measured (benchmarks/order_steps.py, docs/benchmarks-job-engine.md): fewer engine
+    # steps than the ratio order itself in every case tried, 3 of 150 on Alpaca (32- and 64-row
+    # shards, 32 and 64 new tokens; the real engine 147 against 152; the job 149 against 153)
+    # and 10 of 234 on HH-RLHF.
     if config.prefix_grouping:
         shards.reverse()
     for start in range(0, len(failed), config.max_rows_per_shard):
