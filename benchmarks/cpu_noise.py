@@ -147,10 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         "step_s_vs_quiet": {k: round(statistics.median(vs) / quiet, 3) for k, vs in runs.items()},
         "loadavg": list(os.getloadavg()),
     }
-    text = json.dumps(report, indent=2)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    print(text)
+    from benchmarks._bench_common import emit  # here: it imports torch, the burners do not
+
+    emit(report, True, args.json)
 
 
 if __name__ == "__main__":
