@@ -10,7 +10,7 @@ and at nice 15 (Ray starts its workers at nice 15, so an engine actor runs there
 runs in a fresh process, the cases alternate, and the report gives each case's median
 seconds per step and its ratio to quiet.
 
-    RAYPACK_DATA_DIR=../shared/data python benchmarks/cpu_noise.py --repeats 2 --json noise.json
+    RAYPACK_DATA_DIR=<the datasets' folder> python benchmarks/cpu_noise.py --repeats 2 --json noise.json
 """
 
 from __future__ import annotations
