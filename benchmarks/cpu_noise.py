@@ -4,11 +4,24 @@ On a node where the engine's torch threads take every core, each other process t
 (Ray's raylet, GCS and agents, Ray Data's executor loop and actors: ~0.14 of a core in all on
 this box, `bench_job.py --cpu-shares`) takes a core from one torch thread, and the other
 thread waits for it at the end of the parallel section. This measures what that costs the
-engine alone, without Ray: the same `generate` call quiet, then beside `--noise-procs`
-processes that each wake every `--period-ms` and burn `--burst-ms`, with the engine at nice 0
-and at nice 15 (Ray starts its workers at nice 15, so an engine actor runs there). Each case
-runs in a fresh process, the cases alternate, and the report gives each case's median
-seconds per step and its ratio to quiet.
+engine alone, outside Ray: the same `generate` call in a fresh process, quiet, and beside
+
+* `--noise-procs` processes that each wake every `--period-ms` and burn `--burst-ms`, with
+  the engine at nice 0 and at nice 15 (Ray starts its workers at nice 15, so an engine actor
+  runs there);
+* an idle local Ray node (`--ray-node`): Ray started as `bench_job.py` starts it, after a
+  small Ray Data pipeline with an actor pool has run on it, so Ray Data's detached actors
+  (its stats actor, autoscaling coordinator and actor location tracker) and Ray's pooled
+  idle workers are up, as on any cluster a Ray Data job has run on. Every Ray worker's main
+  thread wakes every 10 ms (Ray's core worker checks for signals that often), busy or not.
+  The engine runs at nice 15, as in an engine actor. This is the floor a job on the node
+  cannot go below; `bench_job.py`'s engine step speed against it is what the job adds;
+* the same node with a Ray Data pipeline running whose one task never ends: Ray Data's
+  streaming executor loops (every 0.1 s while a task is out) in the node's driver, as in a
+  job's driver, and calls its actors, while nothing else happens.
+
+Each case runs in a fresh process, the cases alternate, and the report gives each case's
+median seconds per step and its ratio to quiet.
 
     RAYPACK_DATA_DIR=<the datasets' folder> python benchmarks/cpu_noise.py --repeats 2 --json noise.json
 """
@@ -29,11 +42,45 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CASES = {  # name -> (noise processes on, the engine's niceness)
-    "quiet": (False, 0),
-    "noise": (True, 0),
-    "noise, engine at nice 15": (True, 15),
+CASES = {  # name -> (what runs beside the engine, the engine's niceness)
+    "quiet": (None, 0),
+    "noise": ("bursts", 0),
+    "noise, engine at nice 15": ("bursts", 15),
+    "idle Ray node, engine at nice 15": ("ray", 15),
+    "Ray Data job waiting, engine at nice 15": ("ray-data-waiting", 15),
 }
+RAY_NODE_SETTLE_S = 5.0  # after the node's pipeline: its tasks' workers go idle
+
+
+def ray_node(waiting: bool) -> None:
+    """Start Ray as bench_job.py does and run a small Ray Data pipeline with an actor pool
+    (its detached actors stay up); with `waiting`, start another whose one task never ends,
+    so Ray Data's executor keeps looping in this process as it does in a job's driver. Say
+    "ready" and sleep until killed."""
+    import threading
+
+    import ray
+    import ray.data
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+    class Double:
+        def __call__(self, batch: dict) -> dict:
+            return {"id": batch["id"] * 2}
+
+    class Wait:
+        def __call__(self, batch: dict) -> dict:
+            time.sleep(3600)
+            return batch
+
+    ray.data.range(64).map_batches(Double, concurrency=1, num_cpus=0.1).materialize()
+    if waiting:
+        pipeline = ray.data.range(1).map_batches(Wait, concurrency=1, num_cpus=0.1)
+        threading.Thread(target=pipeline.materialize, daemon=True).start()
+        time.sleep(RAY_NODE_SETTLE_S)  # its actor up, its one task running
+    print("ready", flush=True)
+    time.sleep(3600)
 
 
 def burn(period_s: float, burst_s: float, seconds: float) -> None:
@@ -77,14 +124,23 @@ def alpaca(num_prompts: int) -> tuple[str, list[list[int]]]:
 
 def run_case(name: str, args: argparse.Namespace, prompts_file: Path) -> dict[str, float]:
     """`name`'s measurement in a fresh process (a niceness cannot be lowered again)."""
-    noisy, nice = CASES[name]
+    beside, nice = CASES[name]
     burners = []
-    if noisy:
+    if beside == "bursts":
         burn_args = [str(args.period_ms / 1e3), str(args.burst_ms / 1e3), "3600"]
         burners = [
             subprocess.Popen([sys.executable, __file__, "--burn", *burn_args])
             for _ in range(args.noise_procs)
         ]
+    elif beside in ("ray", "ray-data-waiting"):
+        node_args = ["--ray-node"] + (["waiting"] if beside == "ray-data-waiting" else [])
+        node = subprocess.Popen(
+            [sys.executable, __file__, *node_args], stdout=subprocess.PIPE, text=True
+        )
+        burners = [node]
+        if node.stdout is None or node.stdout.readline().strip() != "ready":
+            raise RuntimeError("the idle Ray node did not start")
+        time.sleep(RAY_NODE_SETTLE_S)
     try:
         out = subprocess.run(
             [sys.executable, __file__, "--measure", str(prompts_file), str(nice)],
@@ -94,8 +150,12 @@ def run_case(name: str, args: argparse.Namespace, prompts_file: Path) -> dict[st
         ).stdout
     finally:
         for p in burners:
-            p.kill()
-            p.wait()
+            if beside != "bursts":
+                p.terminate()  # ray.init's handler shuts the node down
+                p.wait(timeout=60)
+            else:
+                p.kill()
+                p.wait()
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -104,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
         argv = sys.argv[1:]
     if argv and argv[0] == "--burn":
         burn(*(float(a) for a in argv[1:4]))
+        return
+    if argv and argv[0] == "--ray-node":
+        ray_node(waiting=argv[1:2] == ["waiting"])
         return
     if argv and argv[0] == "--measure":
         spec = json.loads(Path(argv[1]).read_text())
@@ -120,8 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--period-ms", type=float, default=100.0)
     parser.add_argument("--burst-ms", type=float, default=1.4)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--case",
+        action="append",
+        choices=list(CASES),
+        help="run this case (repeat the flag for more; quiet always runs); default: all",
+    )
     parser.add_argument("--json", help="write the report to this file (too)")
     args = parser.parse_args(argv)
+    names = ["quiet"] + [n for n in args.case or CASES if n != "quiet"]
 
     model, prompts = alpaca(args.num_prompts)
     spec = {
@@ -133,8 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         prompts_file = Path(tmp) / "spec.json"
         prompts_file.write_text(json.dumps(spec))
-        runs: dict[str, list[float]] = {name: [] for name in CASES}
-        names = list(CASES)
+        runs: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(args.repeats):
             shift = rep % len(names)
             for name in names[shift:] + names[:shift]:

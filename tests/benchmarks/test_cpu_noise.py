@@ -1,15 +1,21 @@
-"""benchmarks/cpu_noise.py: its burner stops when told and burns, and its measuring child
+"""benchmarks/cpu_noise.py: its burner stops when told and burns, its measuring child
 reports the steps and seconds per step of a warm `generate` (a tiny model, the bundled
-prompts of tests/data)."""
+prompts of tests/data), and its Ray node (idle, or with a Ray Data task that waits) has Ray
+Data's actors up and goes when told."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import psutil
+import pytest
 from transformers import AutoTokenizer
 
 from benchmarks import cpu_noise
@@ -45,3 +51,33 @@ def test_the_measuring_child_reports_every_step_of_its_prompts(tmp_path: Path):
     # so an early EOS may end a row sooner): never fewer than 1, never more than 4
     assert 1 <= result["steps"] <= 4
     assert result["step_s"] > 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("waiting", [False, True], ids=["idle", "waiting"])
+def test_the_ray_node_has_ray_datas_actors_up_and_goes_when_told(waiting: bool):
+    temp_dir = tempfile.mkdtemp(prefix="rpn", dir="/tmp")  # short: Ray's socket paths
+    node = subprocess.Popen(
+        [sys.executable, cpu_noise.__file__, "--ray-node", *(["waiting"] if waiting else [])],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RAY_TMPDIR": temp_dir},
+    )
+    try:
+        assert node.stdout is not None
+        assert node.stdout.readline().strip() == "ready"
+        processes = psutil.Process(node.pid).children(recursive=True)
+        names = " ".join(" ".join(p.cmdline()) for p in processes if p.is_running())
+        # the detached actors of Ray Data that a job leaves on a node, and the node itself
+        for name in ("ray::_StatsActor", "ray::ActorLocationTracker", "raylet"):
+            assert name in names
+        # the waiting pipeline's actor holds its one task; the idle node's pipeline is over
+        assert ("MapBatches(Wait)" in names) == waiting
+        node.terminate()
+        assert node.wait(timeout=60) is not None
+        _, alive = psutil.wait_procs(processes, timeout=30)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+    finally:
+        if node.poll() is None:
+            node.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
