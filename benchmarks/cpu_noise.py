@@ -139,7 +139,7 @@ def run_case(name: str, args: argparse.Namespace, prompts_file: Path) -> dict[st
         )
         burners = [node]
         if node.stdout is None or node.stdout.readline().strip() != "ready":
-            raise RuntimeError("the idle Ray node did not start")
+            raise RuntimeError(f"the Ray node of {name!r} did not start")
         time.sleep(RAY_NODE_SETTLE_S)
     try:
         out = subprocess.run(
