@@ -125,10 +125,10 @@ def alpaca(num_prompts: int) -> tuple[str, list[list[int]]]:
 def run_case(name: str, args: argparse.Namespace, prompts_file: Path) -> dict[str, float]:
     """`name`'s measurement in a fresh process (a niceness cannot be lowered again)."""
     beside, nice = CASES[name]
-    burners = []
+    procs: list[subprocess.Popen] = []  # what runs beside the engine
     if beside == "bursts":
         burn_args = [str(args.period_ms / 1e3), str(args.burst_ms / 1e3), "3600"]
-        burners = [
+        procs = [
             subprocess.Popen([sys.executable, __file__, "--burn", *burn_args])
             for _ in range(args.noise_procs)
         ]
@@ -137,8 +137,9 @@ def run_case(name: str, args: argparse.Namespace, prompts_file: Path) -> dict[st
         node = subprocess.Popen(
             [sys.executable, __file__, *node_args], stdout=subprocess.PIPE, text=True
         )
-        burners = [node]
+        procs = [node]
         if node.stdout is None or node.stdout.readline().strip() != "ready":
+            node.kill()
             raise RuntimeError(f"the Ray node of {name!r} did not start")
         time.sleep(RAY_NODE_SETTLE_S)
     try:
@@ -149,13 +150,9 @@ def run_case(name: str, args: argparse.Namespace, prompts_file: Path) -> dict[st
             text=True,
         ).stdout
     finally:
-        for p in burners:
-            if beside != "bursts":
-                p.terminate()  # ray.init's handler shuts the node down
-                p.wait(timeout=60)
-            else:
-                p.kill()
-                p.wait()
+        for p in procs:  # SIGTERM ends a burner; a Ray node's handler shuts the node down
+            p.terminate()
+            p.wait(timeout=60)
     return json.loads(out.strip().splitlines()[-1])
 
 
