@@ -10,6 +10,10 @@ from typing import Any, Literal
 
 from packing.step_budget import StepBudgetConfig
 
+# The names `EngineConfig.dtype` takes (actors/dtypes.py resolves "auto"; kept here so the
+# config stays free of torch).
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+
 # How attention runs (`actors.attention`); "auto" picks from the device and dtype.
 AttentionBackendName = Literal["auto", "cpu_kernel", "sdpa", "varlen"]
 ATTENTION_BACKENDS = ("auto", "cpu_kernel", "sdpa", "varlen")
@@ -26,7 +30,9 @@ class EngineConfig:
     """
 
     model: str = "smollm2"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    # "auto": bfloat16 on CUDA and on CPUs with native bfloat16 (AVX-512 BF16 or AMX), else
+    # float32 (actors/dtypes.py); the exactness tests pin "float32"
+    dtype: str = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     trust_remote_code: bool = False
     max_num_batched_tokens: int = 512  # the per-step token budget (decodes + prefill chunks)
@@ -114,10 +120,8 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype must be float32, bfloat16 or float16 (or None), got {self.dtype!r}"
-            )
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)

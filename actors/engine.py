@@ -18,6 +18,7 @@ import torch
 from actors import limits, loader
 from actors.config import EngineConfig, SamplingParams
 from actors.detokenizer import Detokenizer
+from actors.dtypes import resolve_dtype
 from actors.model_runner import ModelRunner, StepRunner
 from actors.outputs import FinishReason, RequestOutput, TokenLogprob
 from actors.prefix_sharing import plan_groups, planned_order
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
     from packing.prefix import PrefixGroup
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LLMEngine:
@@ -72,10 +71,11 @@ class LLMEngine:
             device = worker_device(config)  # the workers', not this actor's (it has no GPU)
         else:
             device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = _DTYPES[config.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
         if config.world_size > 1:
+            dtype = resolve_dtype(config.dtype, device)
             model = model.to(dtype)
         elif model is None:
+            dtype = resolve_dtype(config.dtype, device)
             model = loader.load_model(config.model, dtype, device, config.trust_remote_code)
         if tokenizer is None:
             tokenizer = loader.load_tokenizer(config.model, config.trust_remote_code)

@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/bench_*.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
+from actors.dtypes import choose_dtype, cpu_info  # noqa: E402 (after the path line above)
+
 DATA_DIR = Path(os.environ.get("RAYPACK_DATA_DIR", ROOT.parent / "shared" / "data"))
 ALPACA_FILE = "alpaca_5000.json"
 HH_FILE = "hh_rlhf_harmless_base_test.jsonl.gz"
@@ -207,13 +209,18 @@ def peak_memory(fn: Callable[[], Any]) -> tuple[Any, int]:
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on (load average: the machine is shared)."""
+    """What the numbers were measured on: the CPU's model and the ISA flags that decide its
+    speed (bfloat16 is native only with avx512_bf16 or AMX: never compare across machines),
+    and the load average (the machine is shared)."""
+    cpu = cpu_info()
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu.model_name,
+        "isa": cpu.isa(),
+        "auto_dtype": choose_dtype("auto", "cpu", cpu)[0],
         "loadavg": list(os.getloadavg()),
     }
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, get_args
 
-from actors.config import EngineConfig, PlacementStrategy
+from actors.config import DTYPE_NAMES, EngineConfig, PlacementStrategy
 
 # The EngineConfig fields a flag sets, by argparse dest (the flag is --dest-with-dashes).
 _FIELDS = (
@@ -47,8 +47,10 @@ def add_engine_flags(
     )
     g.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="weights' and KV cache's type (default: float32 on CPU, bfloat16 on GPU)",
+        choices=list(DTYPE_NAMES),
+        default=d.dtype,
+        help="weights' and KV cache's type; auto: bfloat16 on GPUs and on CPUs that compute "
+        "it natively (AVX-512 BF16, AMX), else float32 (exact against HF's float32)",
     )
     g.add_argument("--max-model-len", type=int, help="context length cap (default: the model's)")
     g.add_argument(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from actors.dtypes import choose_dtype, cpu_info
 from actors.parallel import placement
 from pipeline import engine_placement, lineage, storage
 from pipeline.config import OUTPUT_ID, JobConfig
@@ -247,7 +248,7 @@ def run_job(
 
     started = time.perf_counter()
     prepared = prepared or prepare(config)
-    config = _parallel_defaults(config)
+    config = _resolved_dtype(config)
     groups = check_room(config)  # before anything is written
     prefix = folder.filename_prefix()
     try:
@@ -285,17 +286,23 @@ def run_job(
     return summary
 
 
-def _parallel_defaults(config: JobConfig) -> JobConfig:
-    """A tp x pp engine's actor holds no GPU (its workers do), so the engine's GPU default
-    dtype (bfloat16) is set here, where the cluster is known."""
+def _resolved_dtype(config: JobConfig) -> JobConfig:
+    """`dtype="auto"` resolved once for the whole job, here where the cluster is known, so
+    every engine actor runs (and the lineage records) one dtype: bfloat16 when the engines'
+    workers hold GPUs, else what this machine's CPU computes natively (actors/dtypes.py; a
+    cluster's CPU nodes are taken to be alike)."""
     import ray
 
     engine = config.engine
-    if engine.world_size == 1 or engine.dtype is not None:
+    if engine.dtype != "auto":
         return config
-    if not engine_placement.workers_use_gpus(config, ray.cluster_resources()):
-        return config
-    return replace(config, engine=replace(engine, dtype="bfloat16"))
+    if engine_placement.workers_use_gpus(config, ray.cluster_resources()):
+        device = "cuda"
+    else:
+        device = "cpu"
+    name, reason = choose_dtype("auto", device, cpu_info())
+    logger.info("dtype %s for every engine (%s)", name, reason)
+    return replace(config, engine=replace(engine, dtype=name))
 
 
 def _input_bytes(source: InputSource) -> int:

@@ -184,6 +184,12 @@ def settle(folder: OutputFolder, lineage: dict[str, Any], overwrite: bool = Fals
                 LINEAGE_FILE,
             )
     else:
+        engine = old.get("engine")
+        if isinstance(engine, dict) and engine.get("dtype", "") is None:
+            # Written before `dtype="auto"`: null was the default then (float32 on CPU);
+            # a rerun with today's default or float32 continues it.
+            if lineage["engine"]["dtype"] in ("auto", "float32"):
+                engine["dtype"] = lineage["engine"]["dtype"]
         diffs = differences(old, lineage)
         if diffs:
             raise LineageMismatch(

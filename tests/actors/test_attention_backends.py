@@ -91,7 +91,7 @@ def test_a_backend_that_cannot_run_is_refused(name, device, dtype, message) -> N
 
 def test_config_names_the_choices() -> None:
     with pytest.raises(ValueError, match=r"attention_backend must be one of .*'sdpa'"):
-        EngineConfig(attention_backend="flash")  # type: ignore[arg-type]
+        EngineConfig(dtype="float32", attention_backend="flash")  # type: ignore[arg-type]
 
 
 def test_the_engine_refuses_varlen_on_cpu(make_engine) -> None:

@@ -40,7 +40,9 @@ def test_engine_on_cuda_matches_hf_generate(tokenizer, dtype) -> None:
     reference = context_model("llama").to("cuda", dtype)
     model = context_model("llama").to("cuda", dtype)
     engine = LLMEngine(
-        EngineConfig(num_kv_blocks=256, chunk_size=16), model=model, tokenizer=tokenizer
+        EngineConfig(dtype="float32", num_kv_blocks=256, chunk_size=16),
+        model=model,
+        tokenizer=tokenizer,
     )
     varlen = isinstance(engine.runner.attention_backend, VarlenBackend)
     assert varlen == (dtype != torch.float32)

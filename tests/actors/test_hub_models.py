@@ -102,9 +102,9 @@ def test_local_folder_named_like_an_id_wins(hub_cache, tmp_path, tiny_dir) -> No
 @pytest.mark.timeout(300)
 def test_engine_by_hub_id_generates_like_the_snapshot_folder(hub_cache) -> None:  # noqa: ANN001
     params = SamplingParams(max_tokens=8)
-    by_id = LLMEngine(EngineConfig(model="org/tiny", num_kv_blocks=64))
+    by_id = LLMEngine(EngineConfig(dtype="float32", model="org/tiny", num_kv_blocks=64))
     snapshot = hub_cache / "models--org--tiny" / "snapshots" / SHA
-    by_path = LLMEngine(EngineConfig(model=str(snapshot), num_kv_blocks=64))
+    by_path = LLMEngine(EngineConfig(dtype="float32", model=str(snapshot), num_kv_blocks=64))
     reference = tiny_model("llama")
     for prompt, a, b in zip(
         PROMPTS, by_id.generate(PROMPTS, params), by_path.generate(PROMPTS, params), strict=True

@@ -136,7 +136,11 @@ def test_no_reserve_when_nothing_can_be_admitted() -> None:
 def test_serving_caps_prefill_chunks_by_default() -> None:
     from actors import EngineConfig
 
-    assert ServeConfig().engine.chunk_size == EngineConfig().max_num_batched_tokens // 2
-    engine = EngineConfig(max_num_batched_tokens=64, chunk_size=48)
+    assert (
+        ServeConfig().engine.chunk_size == EngineConfig(dtype="float32").max_num_batched_tokens // 2
+    )
+    engine = EngineConfig(dtype="float32", max_num_batched_tokens=64, chunk_size=48)
     assert ServeConfig(engine=engine).engine.chunk_size == 48  # a chosen size is kept
-    assert EngineConfig().chunk_size is None  # the offline job keeps whole-budget prefills
+    assert (
+        EngineConfig(dtype="float32").chunk_size is None
+    )  # the offline job keeps whole-budget prefills

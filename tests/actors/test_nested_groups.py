@@ -190,7 +190,7 @@ def test_pipelined_sets_keep_a_nested_tree_together() -> None:
         req.group = SharedPrefixState(req, num_unfinished_members=1, parent=parent)
         return req.group
 
-    sets = VirtualSchedulers(EngineConfig(), blocks_per_set=64, count=2)
+    sets = VirtualSchedulers(EngineConfig(dtype="float32"), blocks_per_set=64, count=2)
     outer = prefix([1, 2], None)
     inner = prefix([1, 2, 3], outer)
     sets.add(Request("other", [9, 9], SamplingParams()))  # the sets are uneven now

@@ -161,4 +161,4 @@ def test_the_minimum_must_be_positive() -> None:
     from actors import EngineConfig
 
     with pytest.raises(ValueError, match="shared_prefix_min_keys"):
-        EngineConfig(shared_prefix_min_keys=0)
+        EngineConfig(dtype="float32", shared_prefix_min_keys=0)

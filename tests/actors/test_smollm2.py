@@ -40,7 +40,7 @@ def test_smollm2_greedy_matches_hf_generate(
     tokenizer, reference, prompt_ids, expected, chunk_size, grouped
 ) -> None:
     engine = LLMEngine(
-        EngineConfig(num_kv_blocks=128, chunk_size=chunk_size),
+        EngineConfig(dtype="float32", num_kv_blocks=128, chunk_size=chunk_size),
         model=load_model("smollm2"),
         tokenizer=tokenizer,
     )
@@ -64,7 +64,11 @@ def test_smollm2_preemption_keeps_outputs(
     the suite's time: each case loads and runs the 135M model)."""
     longest = max(len(ids) for ids in prompt_ids) + MAX_TOKENS
     engine = LLMEngine(
-        EngineConfig(num_kv_blocks=2 * longest // 16 + 2, attention_backend=attention_backend),
+        EngineConfig(
+            dtype="float32",
+            num_kv_blocks=2 * longest // 16 + 2,
+            attention_backend=attention_backend,
+        ),
         model=load_model("smollm2"),
         tokenizer=tokenizer,
     )
@@ -76,7 +80,9 @@ def test_smollm2_preemption_keeps_outputs(
 
 def test_smollm2_answers_the_capital_of_france(tokenizer) -> None:
     engine = LLMEngine(
-        EngineConfig(num_kv_blocks=64), model=load_model("smollm2"), tokenizer=tokenizer
+        EngineConfig(dtype="float32", num_kv_blocks=64),
+        model=load_model("smollm2"),
+        tokenizer=tokenizer,
     )
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -71,7 +71,9 @@ def test_floor_budget_runs_every_decode_and_a_prefill_block(chunk_size) -> None:
     """At its floor (decodes + one block) a step still runs every decode and one block of
     prefill while prompts wait (the scheduler alone, each step pretended, 30 tokens each)."""
     block = 4
-    config = EngineConfig(num_kv_blocks=256, block_size=block, chunk_size=chunk_size)
+    config = EngineConfig(
+        dtype="float32", num_kv_blocks=256, block_size=block, chunk_size=chunk_size
+    )
     scheduler = Scheduler(config, KVCacheManager(256, block, False))
     for i in range(12):
         scheduler.add(Request(f"r{i}", list(range(100 * i, 100 * i + 5 + 7 * i)), SamplingParams()))
@@ -95,10 +97,12 @@ def test_floor_budget_runs_every_decode_and_a_prefill_block(chunk_size) -> None:
 
 
 def test_config_validates_the_controller_knobs() -> None:
-    assert EngineConfig().step_budget_config() is None
-    config = EngineConfig(tpot_target_s=0.2, max_num_batched_tokens=256).step_budget_config()
+    assert EngineConfig(dtype="float32").step_budget_config() is None
+    config = EngineConfig(
+        dtype="float32", tpot_target_s=0.2, max_num_batched_tokens=256
+    ).step_budget_config()
     assert config is not None and config.ceiling == 256 and config.min_prefill_tokens == 16
     with pytest.raises(ValueError, match="tpot_target_s"):
-        EngineConfig(tpot_target_s=0.0)
+        EngineConfig(dtype="float32", tpot_target_s=0.0)
     with pytest.raises(ValueError, match="decrease_factor"):
-        EngineConfig(tpot_target_s=0.1, budget_decrease_factor=1.5)
+        EngineConfig(dtype="float32", tpot_target_s=0.1, budget_decrease_factor=1.5)

@@ -95,7 +95,9 @@ def hf_generate(model, tok, text: str) -> list[int]:
 def test_engine_equals_hf_generate_on_text_and_chat(tok, arch) -> None:
     reference = tiny_model(arch, **model_args(tok))
     engine = LLMEngine(
-        EngineConfig(num_kv_blocks=64), model=tiny_model(arch, **model_args(tok)), tokenizer=tok
+        EngineConfig(dtype="float32", num_kv_blocks=64),
+        model=tiny_model(arch, **model_args(tok)),
+        tokenizer=tok,
     )
     params = SamplingParams(max_tokens=MAX_TOKENS)
     outputs = engine.generate(list(TEXTS), params)

@@ -60,7 +60,11 @@ def test_replay_loop_times_every_request(tokenizer, tpot_target_s) -> None:
         max_output_tokens=6,
     )
     config = EngineConfig(
-        num_kv_blocks=128, max_num_batched_tokens=64, chunk_size=32, tpot_target_s=tpot_target_s
+        dtype="float32",
+        num_kv_blocks=128,
+        max_num_batched_tokens=64,
+        chunk_size=32,
+        tpot_target_s=tpot_target_s,
     )
     engine = LLMEngine(config, model=tiny_model("llama"), tokenizer=tokenizer)
     replay = run_replay(engine, requests, drain_s=120.0)

@@ -86,7 +86,7 @@ def test_sets_balance_tokens_not_request_counts() -> None:
     from actors.request import Request
     from actors.virtual_schedulers import VirtualSchedulers
 
-    sets = VirtualSchedulers(EngineConfig(), blocks_per_set=64, count=2)
+    sets = VirtualSchedulers(EngineConfig(dtype="float32"), blocks_per_set=64, count=2)
     params = SamplingParams(max_tokens=1)
     long = Request("long", list(range(100)), params)
     short = [Request(f"s{i}", list(range(10)), params) for i in range(10)]

@@ -48,7 +48,7 @@ def test_resume_after_killed_driver_has_no_duplicates_or_gaps(
         sys.executable, "jobs/generate.py", "--input", str(prompt_table), "--output", str(output),
         "--template", TEMPLATE, "--sampling-column", "sampling", "--keep-columns", "doc_id",
         "--sampling-columns", "max_tokens",
-        "--model", str(tiny_model_dir), "--max-tokens", "24", "--max-rows-per-shard", "2",
+        "--model", str(tiny_model_dir), "--dtype", "float32", "--max-tokens", "24", "--max-rows-per-shard", "2",
         "--max-rows-per-file", "4",  # files of two shards: the first comes long before the end
         "--num-partitions", "2", "--num-cpus-per-actor", "0.25", "--actor-resource", "fake_gpu=1",
     ]  # fmt: skip

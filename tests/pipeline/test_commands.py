@@ -88,7 +88,7 @@ def test_raypack_generate_runs_a_table(ray_cluster, prompt_table, tiny_model_dir
         "generate", "--input", str(prompt_table), "--output", str(output),
         "--template", TEMPLATE, "--sampling-column", "sampling", "--keep-columns", "doc_id",
         "--sampling-columns", "max_tokens",
-        "--model", str(tiny_model_dir), "--max-tokens", "4", "--num-partitions", "1",
+        "--model", str(tiny_model_dir), "--dtype", "float32", "--max-tokens", "4", "--num-partitions", "1",
         "--num-cpus-per-actor", "0.25", "--actor-resource", "fake_gpu=1", "--json",
         env={**os.environ, "RAY_ADDRESS": ray_cluster},
         timeout=280,

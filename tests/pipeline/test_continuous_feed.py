@@ -59,7 +59,7 @@ class StepLog:
 
 
 def test_next_shard_is_admitted_while_the_previous_one_decodes(tiny_model_dir: Path) -> None:
-    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=64)
+    config = EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=64)
     engine = LLMEngine(config)
     log = StepLog(engine, gate_at=1)
     feed = EngineFeed(engine, lambda: LLMEngine(config), lambda e: None)
@@ -95,7 +95,7 @@ def test_next_shard_is_admitted_while_the_previous_one_decodes(tiny_model_dir: P
 
 
 def test_a_failing_engine_fails_the_shards_in_it_and_goes_on(tiny_model_dir: Path) -> None:
-    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=64)
+    config = EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=64)
     engine = LLMEngine(config)
     step = engine.step
     calls = {"n": 0}
@@ -145,7 +145,7 @@ def test_job_with_many_small_shards_equals_the_engine(
     assert {i for i, r in out.items() if r["error"] is not None} == MALFORMED
 
     valid = [r for r in table if r["id"] not in MALFORMED]
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_seqs=64))
+    engine = LLMEngine(EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=64))
     builder = PromptBuilder(PromptConfig(template=TEMPLATE))
     params = [
         merge_sampling(config.sampling, {"max_tokens": r["max_tokens"]} if r["max_tokens"] else {})

@@ -43,7 +43,7 @@ def test_repeated_ids_identical_once_different_never_silently_dropped(
         input=InputConfig(str(table), id_column="key", keep_columns=("text",)),
         prompt=PromptConfig(prompt_column="text"),
         output=str(tmp_path / "out"),
-        engine=EngineConfig(model=str(tiny_model_dir), max_num_seqs=16),
+        engine=EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=16),
         sampling=SamplingParams(max_tokens=2),
         plan=PlanConfig(
             prefix_grouping=grouping, num_partitions=2, key_block_size=4, on_duplicate=on_duplicate

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import pytest
 
@@ -68,3 +69,21 @@ def test_serve_app_arguments_take_the_tpot_target() -> None:
 
     config = serve_config_from_app_args({"model": "smollm2", "tpot_target_ms": "200"})
     assert config.engine.tpot_target_s == 0.2
+
+
+def test_a_job_resolves_auto_once_for_all_its_engines(ray_cluster, tmp_path) -> None:
+    """The driver picks one dtype for every engine actor (no GPU in this cluster: the CPU's)."""
+    from actors.dtypes import choose_dtype, cpu_info
+    from pipeline.config import InputConfig, JobConfig, PromptConfig
+    from pipeline.job import _resolved_dtype
+
+    config = JobConfig(
+        input=InputConfig("in.parquet"),
+        prompt=PromptConfig(prompt_column="prompt"),
+        output=str(tmp_path / "out"),
+        engine=EngineConfig(model="/m"),
+    )
+    resolved = _resolved_dtype(config)
+    assert resolved.engine.dtype == choose_dtype("auto", "cpu", cpu_info())[0]
+    pinned = replace(config, engine=EngineConfig(model="/m", dtype="float32"))
+    assert _resolved_dtype(pinned) is pinned

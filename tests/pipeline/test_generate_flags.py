@@ -52,7 +52,7 @@ def generate(tiny_model_dir: Path, input_path: Path, output: Path, *flags: str) 
     job = load_job("generate")
     args = job.build_parser().parse_args(
         [
-            "--input", str(input_path), "--output", str(output), "--model", str(tiny_model_dir),
+            "--input", str(input_path), "--output", str(output), "--model", str(tiny_model_dir), "--dtype", "float32",
             "--max-tokens", str(MAX_TOKENS), "--num-cpus-per-actor", "0.25",
             "--actor-resource", "fake_gpu=1", "--num-partitions", "1", *flags,
         ]

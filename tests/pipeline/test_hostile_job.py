@@ -191,7 +191,7 @@ def test_cli_exits_2_before_any_work(tiny_model_dir, tmp_path):
     bad = tmp_path / "x.csv"
     bad.write_text('id,prompt\nc1,"good one"\nc2,"unterminated\nc3,good three\nc4,good four\n')
     (tmp_path / "afile").write_text("")
-    model = ["--model", str(tiny_model_dir), "--prompt-column", "prompt"]
+    model = ["--model", str(tiny_model_dir), "--dtype", "float32", "--prompt-column", "prompt"]
     cases = [
         (["--input", str(bad), "--output", str(tmp_path / "o1")], "x.csv: line 3"),
         (["--input", str(good), "--output", str(tmp_path / "afile")], "--output"),
@@ -247,7 +247,7 @@ def test_hostile_override_rows_are_error_rows_and_their_shard_generates(
             prompt_column="prompt", override_columns=("temperature", "seed", "top_k")
         ),
         output=str(tmp_path / "out"),
-        engine=EngineConfig(model=str(tiny_model_dir), max_num_seqs=16),
+        engine=EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=16),
         sampling=SamplingParams(max_tokens=3),
         plan=PlanConfig(num_partitions=1, key_block_size=4),
         compute=ComputeConfig(num_actors=1, num_cpus_per_actor=0.25, resources=(("fake_gpu", 1),)),
@@ -263,7 +263,7 @@ def test_hostile_override_rows_are_error_rows_and_their_shard_generates(
         assert rows[row_id]["finish_reason"] == "error"
     assert summary.error_rows == len(EXPECTED_ERRORS)
     # The good rows ran, greedy, and match the engine on each prompt alone.
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir)))
+    engine = LLMEngine(EngineConfig(dtype="float32", model=str(tiny_model_dir)))
     prompts = {r.split(",")[0]: r.split(",")[1] for r in HOSTILE_CSV.splitlines()[1:]}
     for row_id in ("ok-1", "ok-2", "ok-3"):
         alone = engine.generate([prompts[row_id]], SamplingParams(max_tokens=3))[0]
@@ -310,7 +310,7 @@ def test_sampling_columns_are_used_only_when_named(tiny_model_dir, tmp_path):
     table = tmp_path / "rows.csv"
     table.write_text("id,prompt,temperature,max_tokens\nr1,hello,0.9,2\n")
     base = ["--input", str(table), "--output", str(tmp_path / "out")]
-    base += ["--model", str(tiny_model_dir), "--prompt-column", "prompt"]
+    base += ["--model", str(tiny_model_dir), "--dtype", "float32", "--prompt-column", "prompt"]
 
     def overrides(*flags: str) -> tuple[str, ...]:
         return prepare(build_config(build_parser().parse_args([*base, *flags]))).override_columns

@@ -35,7 +35,7 @@ def make_config(
             template=TEMPLATE, sampling_column="sampling", override_columns=("max_tokens",)
         ),
         output=str(output),
-        engine=EngineConfig(model=str(model_dir), max_num_seqs=64),
+        engine=EngineConfig(dtype="float32", model=str(model_dir), max_num_seqs=64),
         sampling=SamplingParams(max_tokens=4),
         plan=PlanConfig(**{"num_partitions": 2, **plan}),
         compute=ComputeConfig(
@@ -138,7 +138,7 @@ def test_snippets_two_actors_groups_whole_and_killed_actor_recovered(
     output = tmp_path / "snippets"
     args = snippets.build_parser().parse_args(
         [
-            "--input", str(sample), "--output", str(output), "--model", str(tiny_model_dir),
+            "--input", str(sample), "--output", str(output), "--model", str(tiny_model_dir), "--dtype", "float32",
             "--max-tokens", "2", "--num-actors", "2", "--num-cpus-per-actor", "0.25",
             "--actor-resource", "fake_gpu=1", "--max-rows-per-shard", "3",
             "--num-partitions", "2", "--keep-columns", "doc_id,query",

@@ -23,7 +23,7 @@ def _config(model: Path, out: Path, **sampling) -> JobConfig:
         input=InputConfig("in.parquet"),
         prompt=PromptConfig(prompt_column="prompt"),
         output=str(out),
-        engine=EngineConfig(model=str(model)),
+        engine=EngineConfig(dtype="float32", model=str(model)),
         sampling=SamplingParams(**{"max_tokens": 4, **sampling}),
     )
 
@@ -119,3 +119,26 @@ def test_unreadable_record_is_refused_unless_overwritten(tiny_model_dir, tmp_pat
             lineage.settle(folder, _record(config))
         lineage.settle(folder, _record(config), overwrite=True)
     assert lineage.read(str(out)) == _record(config)
+
+
+def test_a_folder_from_before_dtype_auto_continues_with_auto_or_float32(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    old = _record(
+        replace(_config(tiny_model_dir, out), engine=EngineConfig(model=str(tiny_model_dir)))
+    )
+    old["engine"]["dtype"] = None  # what the default wrote before dtype="auto"
+    out.mkdir()
+    (out / lineage.LINEAGE_FILE).write_text(json.dumps(old))
+    for dtype in ("auto", "float32"):
+        config = replace(
+            _config(tiny_model_dir, out),
+            engine=EngineConfig(model=str(tiny_model_dir), dtype=dtype),
+        )
+        with OutputFolder.claim(str(out)) as folder:
+            lineage.settle(folder, _record(config))
+    bf16 = replace(
+        _config(tiny_model_dir, out),
+        engine=EngineConfig(model=str(tiny_model_dir), dtype="bfloat16"),
+    )
+    with OutputFolder.claim(str(out)) as folder, pytest.raises(lineage.LineageMismatch):
+        lineage.settle(folder, _record(bf16))

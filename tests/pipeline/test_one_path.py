@@ -31,7 +31,7 @@ def test_the_jobs_options_reach_the_processors_config():
         input=InputConfig(path="in.parquet", keep_columns=("doc",)),
         prompt=prompt,
         output="out",
-        engine=EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2),
+        engine=EngineConfig(dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2),
         sampling=SamplingParams(max_tokens=5),
         plan=PlanConfig(max_rows_per_shard=7),
         compute=ComputeConfig(num_actors=3, torch_threads=2, engine_retries=4),
@@ -56,7 +56,9 @@ def test_the_jobs_options_reach_the_processors_config():
 
 
 def test_the_processor_refuses_what_only_the_job_provides_before_any_work():
-    tp = ProcessorConfig(prompt_column="p", engine=EngineConfig(tensor_parallel_size=2))
+    tp = ProcessorConfig(
+        prompt_column="p", engine=EngineConfig(dtype="float32", tensor_parallel_size=2)
+    )
     with pytest.raises(ValueError, match="single-process engines"):
         build_processor(tp)(None)  # no placement groups of its own: before Ray or the data
     with pytest.raises(ValueError, match="named 'id' is not supported"):
@@ -85,7 +87,7 @@ def test_the_engine_stage_adds_logprobs_when_asked_and_null_for_error_rows():
     rows = [("bad", None, "prompt is empty"), ("a", [5, 6], None)]
     shards, _ = plan_partition(tokenized(rows), PlanConfig(), SamplingParams(), ["doc"])
     with_lp = InferStage(
-        EngineConfig(), SamplingParams(), keep_columns=["doc"], with_logprobs=True,
+        EngineConfig(dtype="float32"), SamplingParams(), keep_columns=["doc"], with_logprobs=True,
         engine=_LogprobEngine(), text_column="answer",
     )  # fmt: skip
     out = {r[stage.ID]: r for r in with_lp(shards).to_pylist()}
@@ -94,7 +96,7 @@ def test_the_engine_stage_adds_logprobs_when_asked_and_null_for_error_rows():
                                                  {"token_id": 8, "logprob": -1.5}]}
     ]  # fmt: skip
     assert out["bad"][stage.LOGPROBS] is None and out["a"]["answer"] == "x"
-    without = InferStage(EngineConfig(), SamplingParams(), engine=_LogprobEngine())
+    without = InferStage(EngineConfig(dtype="float32"), SamplingParams(), engine=_LogprobEngine())
     assert stage.LOGPROBS not in without(shards).column_names
     empty = with_lp(shards.slice(0, 0))  # the column's type even with no rows
     assert empty.num_rows == 0 and empty.schema.field(stage.LOGPROBS).type == LOGPROBS_TYPE

@@ -236,7 +236,10 @@ def _shards() -> pa.Table:
 def test_infer_stage_passes_groups_and_overrides_to_the_engine():
     engine = FakeEngine()
     infer = InferStage(
-        EngineConfig(), SamplingParams(max_tokens=3), keep_columns=["doc"], engine=engine
+        EngineConfig(dtype="float32"),
+        SamplingParams(max_tokens=3),
+        keep_columns=["doc"],
+        engine=engine,
     )
     out = {r[stage.ID]: r for r in infer(_shards()).to_pylist()}
     assert len(engine.calls) == 1  # the error shard never reaches the engine
@@ -258,7 +261,10 @@ def test_infer_stage_passes_groups_and_overrides_to_the_engine():
 
 def test_engine_failure_becomes_error_rows():
     infer = InferStage(
-        EngineConfig(), SamplingParams(), keep_columns=["doc"], engine=FakeEngine(fail=True)
+        EngineConfig(dtype="float32"),
+        SamplingParams(),
+        keep_columns=["doc"],
+        engine=FakeEngine(fail=True),
     )
     out = infer(_shards()).to_pylist()
     assert len(out) == 4
@@ -271,7 +277,10 @@ def test_engine_failure_becomes_error_rows():
 
 def test_report_from_output_files(tmp_path):
     infer = InferStage(
-        EngineConfig(), SamplingParams(max_tokens=3), keep_columns=["doc"], engine=FakeEngine()
+        EngineConfig(dtype="float32"),
+        SamplingParams(max_tokens=3),
+        keep_columns=["doc"],
+        engine=FakeEngine(),
     )
     pq.write_table(infer(_shards()), tmp_path / "part-0.parquet")
     collector = StatsCollector()

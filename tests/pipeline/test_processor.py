@@ -38,7 +38,7 @@ def config(model_dir: Path, **kwargs) -> ProcessorConfig:
     """The tiny model on a fractional CPU, two shuffle partitions."""
     sampling = kwargs.pop("sampling", SamplingParams(max_tokens=DEFAULT_MAX_TOKENS))
     return ProcessorConfig(
-        engine=EngineConfig(model=str(model_dir), max_num_seqs=64),
+        engine=EngineConfig(dtype="float32", model=str(model_dir), max_num_seqs=64),
         sampling=sampling,
         plan=PlanConfig(num_partitions=2),
         compute=ComputeConfig(num_cpus_per_actor=0.25),
@@ -51,7 +51,7 @@ def references(tiny_model_dir):
     """The tiny model's tokenizer, its HF model and a raypack engine, for the references."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_seqs=64))
+    engine = LLMEngine(EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=64))
     return tokenizer, model, engine
 
 

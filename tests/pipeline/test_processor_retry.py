@@ -43,7 +43,7 @@ def test_retry_errors_reruns_only_the_error_rows(ray_cluster, tiny_model_dir):
     )
     processor = build_processor(
         ProcessorConfig(
-            engine=EngineConfig(model=str(tiny_model_dir), max_num_seqs=16),
+            engine=EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=16),
             sampling=SamplingParams(max_tokens=3),
             prompt_column="prompt",
             override_columns=("max_tokens",),
@@ -60,7 +60,7 @@ def test_retry_errors_reruns_only_the_error_rows(ray_cluster, tiny_model_dir):
     assert sorted(r["doc"] for r in retried) == sorted(ids)  # every row once
     by_doc = {r["doc"]: r for r in retried}
     assert all(by_doc[d]["generated_text"] == KEPT for d in ids if d not in BAD)  # not redone
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_seqs=16))
+    engine = LLMEngine(EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=16))
     expected = engine.generate([PROMPTS[d] for d in sorted(BAD)], SamplingParams(max_tokens=3))
     for doc, out in zip(sorted(BAD), expected, strict=True):
         assert by_doc[doc]["error"] is None, by_doc[doc]
@@ -76,7 +76,9 @@ def test_retry_errors_needs_a_processor_output(ray_cluster, tiny_model_dir):
     import ray.data
 
     processor = build_processor(
-        ProcessorConfig(engine=EngineConfig(model=str(tiny_model_dir)), prompt_column="prompt")
+        ProcessorConfig(
+            engine=EngineConfig(dtype="float32", model=str(tiny_model_dir)), prompt_column="prompt"
+        )
     )
     with pytest.raises(ValueError, match=r"retry_errors takes a dataset this processor returned"):
         processor.retry_errors(ray.data.from_items([{"prompt": "hi"}]))

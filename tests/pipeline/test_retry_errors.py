@@ -54,7 +54,7 @@ def test_retry_errors_regenerates_only_error_rows_each_id_once(
         input=InputConfig(str(table)),
         prompt=PromptConfig(prompt_column="prompt", override_columns=("max_tokens",)),
         output=str(out),
-        engine=EngineConfig(model=str(tiny_model_dir), max_num_seqs=16),
+        engine=EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=16),
         sampling=SamplingParams(max_tokens=3),
         plan=PlanConfig(num_partitions=1),
         compute=ComputeConfig(num_actors=1, num_cpus_per_actor=0.25, resources=(("fake_gpu", 1),)),
@@ -71,7 +71,7 @@ def test_retry_errors_regenerates_only_error_rows_each_id_once(
     assert set(final) == set(PROMPTS)
     for row_id in set(PROMPTS) - BAD:
         assert final[row_id] == first[row_id]  # kept as they were, not redone
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir)))
+    engine = LLMEngine(EngineConfig(dtype="float32", model=str(tiny_model_dir)))
     for row_id in BAD:
         alone = engine.generate([PROMPTS[row_id]], SamplingParams(max_tokens=2))[0]
         assert final[row_id]["error"] is None, final[row_id]["error"]

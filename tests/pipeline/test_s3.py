@@ -206,7 +206,7 @@ def test_s3_job_killed_and_resumed(ray_cluster, prompt_table, tiny_model_dir, s3
         "--input", source, "--output", out, "--template", TEMPLATE,
         "--sampling-column", "sampling", "--keep-columns", "doc_id",
         "--sampling-columns", "max_tokens",
-        "--model", model, "--max-tokens", "24", "--max-rows-per-file", "4",
+        "--model", model, "--dtype", "float32", "--max-tokens", "24", "--max-rows-per-file", "4",
         "--num-partitions", "2", "--num-cpus-per-actor", "0.25", "--actor-resource",
         "fake_gpu=1", "--json",
     ]  # fmt: skip

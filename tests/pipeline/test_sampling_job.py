@@ -99,7 +99,7 @@ def _config(table: Path, model: Path, output: Path, max_tokens: int = N) -> JobC
         input=InputConfig(str(table)),
         prompt=PromptConfig(prompt_column="prompt", sampling_column="sampling"),
         output=str(output),
-        engine=EngineConfig(model=str(model), max_num_seqs=16),
+        engine=EngineConfig(dtype="float32", model=str(model), max_num_seqs=16),
         sampling=SamplingParams(max_tokens=max_tokens),
         plan=PlanConfig(num_partitions=1),
         compute=ComputeConfig(num_actors=1, num_cpus_per_actor=0.25, resources=(("fake_gpu", 1),)),
@@ -207,7 +207,16 @@ def test_rerun_with_another_lineage_exits_2_untouched_and_overwrite_starts_over(
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert LINEAGE_FILE in before
     table = job_folder.parent / "in.parquet"
-    args = ["--input", str(table), "--output", str(out), "--model", str(tiny_model_dir)]
+    args = [
+        "--input",
+        str(table),
+        "--output",
+        str(out),
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+    ]
     args += ["--prompt-column", "prompt", "--sampling-column", "sampling"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run(

@@ -89,7 +89,9 @@ def test_engine_on_the_stages_ids_equals_hf_generate(tok) -> None:
     ]
     reference = tiny_model("llama", **model_args(tok))
     engine = LLMEngine(
-        EngineConfig(num_kv_blocks=64), model=tiny_model("llama", **model_args(tok)), tokenizer=tok
+        EngineConfig(dtype="float32", num_kv_blocks=64),
+        model=tiny_model("llama", **model_args(tok)),
+        tokenizer=tok,
     )
     with torch_threads(1):
         outputs = engine.generate(

@@ -143,7 +143,7 @@ def live(
     keys = tmp_path_factory.mktemp("keys") / "api_keys.txt"
     keys.write_text(f"# test keys\n{API_KEY}\nsk-other\n")
     started = time.monotonic()
-    engine = EngineConfig(model=str(tiny_model_dir), max_num_seqs=64)
+    engine = EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=64)
     common = dict(
         engine=engine,
         served_model_name=MODEL,
@@ -208,4 +208,4 @@ def reference_engine(tiny_model_dir: Path):  # noqa: ANN201
     """The same tiny model in this process, for batch `generate` references."""
     from actors import LLMEngine
 
-    return LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_seqs=64))
+    return LLMEngine(EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=64))

@@ -85,7 +85,7 @@ def test_serve_command_serves_and_stops_cleanly(
     command = [
         sys.executable,
         str(REPO / "jobs" / "serve.py"),
-        "--model", str(tiny_model_dir),
+        "--model", str(tiny_model_dir), "--dtype", "float32",
         "--served-model-name", "tiny",
         "--port", str(port),
         "--address", "local",  # its own Ray, never one a test session started

@@ -185,7 +185,7 @@ def test_the_engine_loop_measures_its_finish_rate() -> None:
 
 
 def test_serve_back_pressure_is_bounded_and_answers_503_with_retry_after() -> None:
-    engine = EngineConfig(model="tiny")
+    engine = EngineConfig(dtype="float32", model="tiny")
     config = ServeConfig(engine=engine, api_keys_env=None, max_waiting=32, retry_after_s=4)
     # By default as many as the replica takes at once, never the staging queue's 32: Serve
     # counts requests being routed to a replica with room too (a small bound turned those away).

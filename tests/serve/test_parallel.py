@@ -23,6 +23,7 @@ WORKER_CPUS = 0.4  # beside the three apps of `live` (0.2 CPU each) on a 2-CPU R
 def tp_config(model_dir: object) -> ServeConfig:
     """tp=2 on CPU (gloo), fractional CPUs, admission immediate."""
     engine = EngineConfig(
+        dtype="float32",
         model=str(model_dir),
         max_num_seqs=8,
         tensor_parallel_size=2,
@@ -40,7 +41,7 @@ def tp_config(model_dir: object) -> ServeConfig:
 
 def test_placement_options_reserve_one_bundle_per_worker() -> None:
     config = tp_config("m")
-    assert placement_options(replace(config, engine=EngineConfig(model="m"))) == {}
+    assert placement_options(replace(config, engine=EngineConfig(dtype="float32", model="m"))) == {}
     options = placement_options(config)
     assert options["placement_group_strategy"] == "STRICT_PACK"
     assert options["placement_group_bundles"] == [

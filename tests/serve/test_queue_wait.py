@@ -109,7 +109,7 @@ async def post(api, path: str, body: dict) -> tuple[int, dict[str, str], dict]: 
 def test_a_shed_request_is_a_429_with_retry_after() -> None:
     tokenizer = tiny_tokenizer("bos")
     config = ServeConfig(
-        engine=EngineConfig(model="tiny"),
+        engine=EngineConfig(dtype="float32", model="tiny"),
         served_model_name="tiny",
         max_queue_wait_s=WAIT_S,
         retry_after_s=2,

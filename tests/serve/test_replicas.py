@@ -103,12 +103,14 @@ def test_docs_config_is_a_serve_deploy_config_of_this_builder() -> None:
 
 
 def test_one_gpu_per_replica_when_the_engine_runs_on_cuda() -> None:
-    cpu = ServeConfig(engine=EngineConfig(model="m", device="cpu"), num_cpus=0.5)
+    cpu = ServeConfig(engine=EngineConfig(dtype="float32", model="m", device="cpu"), num_cpus=0.5)
     assert replica_options(cpu)["ray_actor_options"] == {"num_cpus": 0.5}
-    cuda = ServeConfig(engine=EngineConfig(model="m", device="cuda"), num_cpus=0.5)
+    cuda = ServeConfig(engine=EngineConfig(dtype="float32", model="m", device="cuda"), num_cpus=0.5)
     assert replica_options(cuda)["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 1}
     # a tp engine's GPUs are its workers' bundles (placement_options), not the replica's
-    tp = ServeConfig(engine=EngineConfig(model="m", device="cuda", tensor_parallel_size=2))
+    tp = ServeConfig(
+        engine=EngineConfig(dtype="float32", model="m", device="cuda", tensor_parallel_size=2)
+    )
     assert "num_gpus" not in replica_options(tp)["ray_actor_options"]
 
 

@@ -99,7 +99,9 @@ def test_served_greedy_tokens_equal_hf_generate(tok) -> None:  # noqa: ANN001
     tiny model sized to the tokenizer: the tokens of `model.generate(**inputs)` (no Ray)."""
     reference = tiny_model("llama", **model_args(tok))
     engine = LLMEngine(
-        EngineConfig(num_kv_blocks=64), model=tiny_model("llama", **model_args(tok)), tokenizer=tok
+        EngineConfig(dtype="float32", num_kv_blocks=64),
+        model=tiny_model("llama", **model_args(tok)),
+        tokenizer=tok,
     )
     requests = [
         (
