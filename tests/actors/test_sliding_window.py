@@ -104,10 +104,13 @@ def test_greedy_matches_hf_generate_past_the_window(
         assert_greedy_match(model, ids, out.token_ids, exp)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma2_softcap", "mistral"])
 def test_bfloat16_agrees_with_float32_past_the_window(tokenizer, prompt_ids, name) -> None:
     """The bf16 kernel's window and softcap: teacher-forced agreement with the float32
-    engine within tests/actors/test_bf16_agreement.py's bound."""
+    engine within tests/actors/test_bf16_agreement.py's bound. Measured (torch 2.13 CPU):
+    top-1 0.979 / 0.990 / 0.969 and mean |dlogprob| 0.0011 / 0.0013 / 0.0035 (gemma2,
+    gemma2_softcap, mistral); the bf16 kernel without its window: top-1 0.77 and 0.08,
+    without its softcap 0.69."""
     from tests.actors.test_bf16_agreement import MAX_MEAN_ABS_DLOGPROB, MIN_TOP1
 
     fp32 = make_engine(tokenizer, name)
