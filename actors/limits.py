@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from actors.config import EngineConfig
 from actors.kv_cache import kv_bytes_per_block
 from actors.model_runner import model_geometry
-
-logger = logging.getLogger("actors.engine")
 
 
 def blocks_from_memory(model: Any, config: EngineConfig) -> int:
@@ -21,14 +18,11 @@ def blocks_from_memory(model: Any, config: EngineConfig) -> int:
 
 
 def max_model_len(model: Any, config: EngineConfig, num_blocks: int) -> int:
-    """The context: the model's (or config's), never beyond the KV pool or a sliding window
-    (this engine attends to the full context only)."""
+    """The context: the model's (or config's), never beyond the KV pool. A sliding window
+    does not shorten it: every attention backend attends within each layer's window
+    (`actors.attention`), and the cache keeps every block."""
     text = model.config.get_text_config()
     limit = config.max_model_len or getattr(text, "max_position_embeddings", None) or 2048
-    window = getattr(text, "sliding_window", None)
-    if window and getattr(text, "use_sliding_window", True) and window < limit:
-        logger.warning("max_model_len capped to the sliding window (%d tokens)", window)
-        limit = window
     return min(limit, num_blocks * config.block_size)
 
 

@@ -3,7 +3,9 @@
 The model is an unmodified Hugging Face model; the engine switches its attention
 implementation to `raypack_paged` (`function.paged_attention`) and passes the step's
 `AttentionMetadata` through the forward's keyword argument `raypack_attention`. Per layer the
-function writes the step's new K/V into the paged cache and calls the engine's backend.
+function writes the step's new K/V into the paged cache and calls the engine's backend with
+the layer's `LayerAttention`: its scale, sliding window and logit softcap, as transformers
+passes them (every backend honours all three, with Hugging Face's semantics).
 
 A backend (`base.AttentionBackend`) is built once per engine from its KV tensors, prepares
 each step's metadata once (`prepare`) and attends once per layer (`forward`):
@@ -27,6 +29,7 @@ from actors.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     HybridBackend,
+    LayerAttention,
     StepBatch,
 )
 from actors.attention.function import ATTN_KWARG, ATTN_NAME, paged_attention, register
@@ -40,6 +43,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "HybridBackend",
+    "LayerAttention",
     "StepBatch",
     "available_backends",
     "make_backend",

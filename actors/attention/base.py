@@ -18,6 +18,29 @@ M = TypeVar("M")
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention computes, as transformers hands it to the attention
+    function: the score scale (the model's `scaling`, e.g. Gemma 2's query_pre_attn_scalar),
+    its sliding window and its logit softcap. Hugging Face's semantics, matched exactly:
+    a query at position p sees the keys at positions p - window < k <= p
+    (`masking_utils.sliding_window_overlay`; flash-attn's `window_size=(window - 1, 0)`), and
+    a score s becomes `softcap * tanh(s / softcap)` before the mask and softmax (Gemma 2's
+    `attn_logit_softcapping`)."""
+
+    scale: float
+    window: int | None = None  # None: full causal attention
+    softcap: float | None = None  # None: scores as they are
+
+    def __post_init__(self) -> None:
+        assert self.window is None or self.window >= 1, self.window
+        assert self.softcap is None or self.softcap > 0, self.softcap
+
+    def first_key(self, position: int) -> int:
+        """The first key position a query at `position` sees."""
+        return 0 if self.window is None else max(0, position - self.window + 1)
+
+
+@dataclass(frozen=True)
 class StepBatch:
     """Some requests of one step, in the order of their rows in the step's flat sequence.
 
@@ -100,7 +123,7 @@ class AttentionBackend(ABC, Generic[M]):
         query: torch.Tensor,  # [1, heads, num_tokens, dim], every row of the step
         key: torch.Tensor,  # [1, kv_heads, num_tokens, dim] the step's new keys
         value: torch.Tensor,  # [1, kv_heads, num_tokens, dim]
-        scaling: float | None,  # None: head_dim ** -0.5
+        params: LayerAttention,
         out: torch.Tensor,  # [num_tokens, heads, dim]
     ) -> None:
         """Attend the rows of `meta`'s requests in `layer`, writing those rows of `out` and
@@ -132,15 +155,15 @@ class HybridBackend(AttentionBackend[tuple[Any, Any]]):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        scaling: float | None,
+        params: LayerAttention,
         out: torch.Tensor,
     ) -> None:
         """The decode part's rows, then the prefill part's."""
         decode_meta, prefill_meta = meta
         if decode_meta is not None:
-            self.decode.forward(decode_meta, layer, query, key, value, scaling, out)
+            self.decode.forward(decode_meta, layer, query, key, value, params, out)
         if prefill_meta is not None:
-            self.prefill.forward(prefill_meta, layer, query, key, value, scaling, out)
+            self.prefill.forward(prefill_meta, layer, query, key, value, params, out)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from actors.attention.base import AttentionMetadata
+from actors.attention.base import AttentionMetadata, LayerAttention
 
 ATTN_NAME = "raypack_paged"
 ATTN_KWARG = "raypack_attention"  # the model forward's keyword that carries AttentionMetadata
@@ -26,7 +26,13 @@ def paged_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Write the step's K/V into the paged cache and attend; returns
-    `[1, num_tokens, num_heads, head_dim]` as transformers expects."""
+    `[1, num_tokens, num_heads, head_dim]` as transformers expects.
+
+    The layer's `scaling`, `sliding_window` and `softcap` are what transformers passes every
+    attention function (flash-attention's path reads them from the same keywords): Gemma 2/3
+    and Qwen2 pass a window on their sliding layers only, Mistral on all, Gemma 2 its logit
+    softcap. The causal `attention_mask` transformers builds is not read: each backend
+    derives its masks from the step's layout and these numbers."""
     meta: AttentionMetadata | None = kwargs.get(ATTN_KWARG)
     if meta is None:
         raise RuntimeError(
@@ -42,7 +48,12 @@ def paged_attention(
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k_new)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v_new)
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [tokens, heads, dim]
-    meta.backend.forward(meta.prepared, layer, query, key, value, scaling, out)
+    params = LayerAttention(
+        scale=head_dim**-0.5 if scaling is None else float(scaling),
+        window=kwargs.get("sliding_window") or None,
+        softcap=kwargs.get("softcap") or None,
+    )
+    meta.backend.forward(meta.prepared, layer, query, key, value, params, out)
     return out.unsqueeze(0), None
 
 

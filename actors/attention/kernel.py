@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actors.attention.base import AttentionBackend, KVCaches, StepBatch, device_tensor
+from actors.attention.base import (
+    AttentionBackend,
+    KVCaches,
+    LayerAttention,
+    StepBatch,
+    device_tensor,
+)
 from actors.kernels import PagedDecode, check_cache, check_step
 from packing.layout import padded_block_tables
 
@@ -52,12 +58,21 @@ class KernelDecodeBackend(AttentionBackend[KernelDecodes]):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        scaling: float | None,
+        params: LayerAttention,
         out: torch.Tensor,
     ) -> None:
-        """One kernel call for every decode row."""
+        """One kernel call for every decode row (each attends to its window's keys only)."""
         k_cache, v_cache = self.kv_caches[layer]
         rows = slice(meta.first_row, meta.first_row + len(meta.seq_lens))
         q = query[0, :, rows].transpose(0, 1).contiguous()  # [n, heads, dim]
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        self.kernel.run(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out[rows])
+        self.kernel.run(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            params.scale,
+            out[rows],
+            window=params.window,
+            softcap=params.softcap,
+        )

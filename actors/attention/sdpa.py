@@ -1,6 +1,8 @@
 """torch SDPA backends, on any device: decodes gathered by block table into padded chunks
 (`SdpaDecodeBackend`), and one SDPA call per request for everything else
-(`SdpaPrefillBackend`)."""
+(`SdpaPrefillBackend`). A layer's sliding window is a mask (and, for a request's rows, the
+keys before any row's window are not read); a softcapped layer runs the eager computation
+(`dense.attend`)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from actors.attention.base import AttentionBackend, StepBatch, device_tensor
+from actors.attention.base import AttentionBackend, LayerAttention, StepBatch, device_tensor
+from actors.attention.dense import attend, segment_mask, visible
 from packing.layout import padded_block_tables, token_slots
 
 DECODE_CHUNK = 16  # decodes attended per SDPA call
@@ -24,6 +26,7 @@ class DecodeChunk:
     rows: torch.Tensor  # [n] their rows in the step's flat sequence
     block_ids: torch.Tensor  # [n * max_blocks] padded block tables, flattened
     key_mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] True where a key exists
+    last_pos: torch.Tensor  # [n, 1, 1, 1] each decode's position (its keys - 1)
     max_blocks: int
 
 
@@ -67,6 +70,7 @@ class SdpaDecodeBackend(AttentionBackend[GatheredDecodes]):
                     rows=device_tensor(first_row + members, self.device),
                     block_ids=device_tensor(tables.reshape(-1), self.device),
                     key_mask=device_tensor(key_mask[:, None, None, :], self.device),
+                    last_pos=device_tensor(seq_lens[:, None, None, None] - 1, self.device),
                     max_blocks=max_blocks,
                 )
             )
@@ -81,7 +85,7 @@ class SdpaDecodeBackend(AttentionBackend[GatheredDecodes]):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        scaling: float | None,
+        params: LayerAttention,
         out: torch.Tensor,
     ) -> None:
         """Gather each chunk's blocks into the buffer, one masked SDPA call per chunk."""
@@ -96,14 +100,11 @@ class SdpaDecodeBackend(AttentionBackend[GatheredDecodes]):
             v = torch.index_select(v_cache, 0, chunk.block_ids, out=v_buf)
             k = k.view(n, seq, kv_heads, head_dim)  # -> [n, kv_heads, keys, dim] below
             v = v.view(n, seq, kv_heads, head_dim)
-            o = F.scaled_dot_product_attention(
-                q,
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=chunk.key_mask,
-                scale=scaling,
-                enable_gqa=True,
-            )  # [n, heads, 1, dim]
+            mask = chunk.key_mask
+            if params.window is not None:  # keys in the window of each decode's position
+                keys = torch.arange(seq, device=self.device)
+                mask = visible(chunk.last_pos, keys, params.window)  # [n, 1, 1, seq]
+            o = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, params)  # [n, heads, 1, dim]
             out.index_copy_(0, chunk.rows, o.squeeze(2))
 
 
@@ -113,6 +114,7 @@ class PrefillSegment:
 
     q_start: int  # its rows in the flat sequence: q_start .. q_end - 1
     q_end: int
+    num_cached: int  # the position of its first row
     key_slots: torch.Tensor | None  # [num_cached + num_new] cache slots; None: fresh K/V only
     mask: torch.Tensor | None  # [num_new, num_cached + num_new] bottom-right causal, or None
 
@@ -138,7 +140,7 @@ class SdpaPrefillBackend(AttentionBackend[tuple[PrefillSegment, ...]]):
                         np.arange(cached + new)[None, :] <= rows[:, None], self.device
                     )
             start = int(batch.cu_seqlens_q[i])
-            segments.append(PrefillSegment(start, start + new, key_slots, mask))
+            segments.append(PrefillSegment(start, start + new, cached, key_slots, mask))
         return tuple(segments)
 
     def forward(
@@ -148,29 +150,30 @@ class SdpaPrefillBackend(AttentionBackend[tuple[PrefillSegment, ...]]):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        scaling: float | None,
+        params: LayerAttention,
         out: torch.Tensor,
     ) -> None:
-        """One SDPA call per segment."""
+        """One SDPA call per segment; in a sliding-window layer whose window a segment
+        outgrows, from its first row's first key on, with the band mask."""
         k_cache, v_cache = self.kv_caches[layer]
         _, _, kv_heads, head_dim = k_cache.shape
         k_flat = k_cache.view(-1, kv_heads, head_dim)
         v_flat = v_cache.view(-1, kv_heads, head_dim)
         for seg in meta:
             q = query[:, :, seg.q_start : seg.q_end]  # [1, heads, n, dim]
+            n = seg.q_end - seg.q_start
+            mask, first = seg.mask, 0
+            windowed = params.window is not None and seg.num_cached + n > params.window
+            if windowed:  # no earlier key is in any row's window
+                first = params.first_key(seg.num_cached)
+                mask = segment_mask(seg.num_cached, n, first, params.window, q.device)
             if seg.key_slots is None:  # nothing cached: causal attention on the fresh K/V
                 k = key[:, :, seg.q_start : seg.q_end]
                 v = value[:, :, seg.q_start : seg.q_end]
-            else:  # [1, kv_heads, cached + n, dim] read back from the cache
-                k = k_flat.index_select(0, seg.key_slots).transpose(0, 1).unsqueeze(0)
-                v = v_flat.index_select(0, seg.key_slots).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=seg.mask,
-                is_causal=seg.key_slots is None and seg.q_end - seg.q_start > 1,
-                scale=scaling,
-                enable_gqa=True,
-            )  # [1, heads, n, dim]
+            else:  # [1, kv_heads, cached + n - first, dim] read back from the cache
+                slots = seg.key_slots[first:]
+                k = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+                v = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            causal = not windowed and seg.key_slots is None and n > 1
+            o = attend(q, k, v, mask, params, causal)  # [1, heads, n, dim]
             out[seg.q_start : seg.q_end] = o[0].transpose(0, 1)

@@ -20,6 +20,11 @@ Only full blocks before the decode's new token are shared (a group's partial las
 is each member's own copy), so the new token's K/V, written this step, is always in the
 decode's own part. The result is the same softmax over the same keys, summed in another
 order: equal to the plain kernel's to float32 rounding (tests/actors/test_shared_prefix.py).
+
+A softcapped layer (Gemma 2) caps the run's scores as the kernel caps its own, before the
+log-sum-exp: the flash call has no softcap, so its runs are computed eagerly. A sliding-window
+layer whose window is shorter than some decode's keys runs the plain kernel over whole tables
+(a run's keys leave each member's window at a different place); shorter contexts share.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actors.attention.base import KVCaches, StepBatch, device_tensor
+from actors.attention.base import KVCaches, LayerAttention, StepBatch, device_tensor
 from actors.attention.kernel import KernelDecodeBackend, KernelDecodes
 from actors.kernels import PagedDecode, check_step
 from packing.layout import padded_block_tables
@@ -53,9 +58,11 @@ class SharedRun:
 class SharedPrefixDecodes(KernelDecodes):
     """`SharedPrefixDecodeBackend`'s metadata: the kernel's tables hold each decode's own
     blocks only (after its deepest shared run), `seq_lens` its own keys; `runs` parents
-    first."""
+    first; `whole` the plain kernel's, for sliding-window layers shorter than `longest`."""
 
     runs: tuple[SharedRun, ...]
+    whole: KernelDecodes
+    longest: int  # the most keys of any decode
 
 
 def shared_runs(
@@ -107,8 +114,9 @@ class SharedPrefixDecodeBackend(KernelDecodeBackend):
         # A block is shared only when full before the new token (num_cached // size of them).
         found, _ = shared_runs(tables, batch.num_cached.astype(np.int64) // size)
         found = [run for run in found if len(run[0]) * (run[2] - run[1]) * size >= self.min_keys]
+        whole = super().prepare(batch)
         if not found:
-            return super().prepare(batch)
+            return whole
         # Each decode's own part: its blocks outside the runs it reads, in order (attention
         # does not depend on the keys' order; its partial last block stays last).
         taken = np.zeros(tables.shape, dtype=bool)
@@ -134,7 +142,14 @@ class SharedPrefixDecodeBackend(KernelDecodeBackend):
                     num_keys=(end - first) * size,
                 )
             )
-        return SharedPrefixDecodes(int(batch.cu_seqlens_q[0]), own_tables, own_lens, tuple(runs))
+        return SharedPrefixDecodes(
+            int(batch.cu_seqlens_q[0]),
+            own_tables,
+            own_lens,
+            tuple(runs),
+            whole,
+            int(seq_lens.max()),
+        )
 
     def forward(
         self,
@@ -143,13 +158,16 @@ class SharedPrefixDecodeBackend(KernelDecodeBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        scaling: float | None,
+        params: LayerAttention,
         out: torch.Tensor,
     ) -> None:
         """Each decode's own keys by the kernel (with log-sum-exps), then every shared run
         once, merged into its members' rows."""
         if not isinstance(meta, SharedPrefixDecodes):
-            super().forward(meta, layer, query, key, value, scaling, out)
+            super().forward(meta, layer, query, key, value, params, out)
+            return
+        if params.window is not None and meta.longest > params.window:
+            super().forward(meta.whole, layer, query, key, value, params, out)
             return
         k_cache, v_cache = self.kv_caches[layer]
         _, _, kv_heads, dim = k_cache.shape
@@ -157,10 +175,20 @@ class SharedPrefixDecodeBackend(KernelDecodeBackend):
         rows = slice(meta.first_row, meta.first_row + n)
         q = query[0, :, rows].transpose(0, 1).contiguous()  # [n, heads, dim]
         heads = q.shape[1]
-        scale = dim**-0.5 if scaling is None else scaling
+        scale = params.scale
         own = out[rows]  # [n, heads, dim], a view: merged in place
         lse = q.new_empty(n, heads, dtype=torch.float32)  # float32 in bf16 too (the kernel's)
-        self.kernel.run(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, own, lse)
+        self.kernel.run(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            own,
+            lse,
+            softcap=params.softcap,
+        )
         # The merges in float32 (as flash-attention's and vLLM's merges run), rounded to the
         # model's dtype once at the end: in bfloat16 each run's merge would round it again.
         acc = own if own.dtype == torch.float32 else own.float()
@@ -178,7 +206,7 @@ class SharedPrefixDecodeBackend(KernelDecodeBackend):
                 v_run = v_cache.index_select(0, run.blocks)
             k_run = k_run.view(1, run.num_keys, kv_heads, dim).transpose(1, 2)
             v_run = v_run.view(1, run.num_keys, kv_heads, dim).transpose(1, 2)
-            o_run, lse_run = _flash(q_run, k_run, v_run, scale=scale)[:2]
+            o_run, lse_run = _attend_run(q_run, k_run, v_run, params)
             o_run = o_run[0].reshape(kv_heads, m, -1, dim).transpose(0, 1).reshape(m, heads, dim)
             lse_run = lse_run[0].reshape(kv_heads, m, -1).transpose(0, 1).reshape(m, heads)
             if sel is not None:
@@ -190,6 +218,21 @@ class SharedPrefixDecodeBackend(KernelDecodeBackend):
                 lse.index_copy_(0, run.decodes, lse_own)
         if acc is not own:
             own.copy_(acc)
+
+
+def _attend_run(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: LayerAttention
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A run's attention and log-sum-exps: `q` `[1, kv_heads, rows, dim]` against `k`, `v`
+    `[1, kv_heads, keys, dim]`. The flash call, or eagerly in float32 when the layer
+    softcaps its scores (the flash kernel cannot)."""
+    if params.softcap is None:
+        o, lse = _flash(q, k, v, scale=params.scale)[:2]
+        return o, lse
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * params.scale
+    scores = torch.tanh(scores / params.softcap) * params.softcap
+    lse = torch.logsumexp(scores, dim=-1)  # [1, kv_heads, rows]
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
 
 
 def _merge(

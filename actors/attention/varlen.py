@@ -1,5 +1,11 @@
 """The whole step in one flash varlen call per layer (`torch.nn.attention.varlen`, CUDA in
-bfloat16 / float16: flash has no float32 kernel and no CPU one)."""
+bfloat16 / float16: flash has no float32 kernel and no CPU one).
+
+A sliding window is flash's own `window_size=(window - 1, 0)` (bottom-right aligned, as
+transformers' flash path passes it: a query sees itself and window - 1 keys before it).
+torch's varlen has no softcap, so a softcapped layer (Gemma 2) attends request by request
+through `dense.attend` instead, over the same gathered keys.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actors.attention.base import AttentionBackend, StepBatch, device_tensor
+from actors.attention.base import AttentionBackend, LayerAttention, StepBatch, device_tensor
+from actors.attention.dense import attend, segment_mask
 from packing.layout import token_slots
 
 
@@ -22,6 +29,8 @@ class VarlenInputs:
     cu_seqlens_k: torch.Tensor  # [num_reqs + 1] int32
     max_seqlen_q: int
     max_seqlen_k: int
+    num_new: tuple[int, ...]  # per request, for the softcapped layers' request-by-request path
+    num_keys: tuple[int, ...]
 
 
 class VarlenBackend(AttentionBackend[VarlenInputs]):
@@ -46,6 +55,8 @@ class VarlenBackend(AttentionBackend[VarlenInputs]):
             cu_seqlens_k=device_tensor(cu_k.astype(np.int32), self.device),
             max_seqlen_q=int(batch.num_new.max()),
             max_seqlen_k=int(num_keys.max()),
+            num_new=tuple(int(n) for n in batch.num_new),
+            num_keys=tuple(int(n) for n in num_keys),
         )
 
     def forward(
@@ -55,10 +66,10 @@ class VarlenBackend(AttentionBackend[VarlenInputs]):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        scaling: float | None,
+        params: LayerAttention,
         out: torch.Tensor,
     ) -> None:
-        """Gather the keys, one varlen call."""
+        """Gather the keys, one varlen call (request by request in a softcapped layer)."""
         from torch.nn.attention.varlen import varlen_attn
 
         k_cache, v_cache = self.kv_caches[layer]  # [num_blocks, block_size, kv_heads, dim]
@@ -66,6 +77,10 @@ class VarlenBackend(AttentionBackend[VarlenInputs]):
         k = k_cache.view(-1, kv_heads, dim).index_select(0, meta.key_slots)  # [keys, kv, dim]
         v = v_cache.view(-1, kv_heads, dim).index_select(0, meta.key_slots)
         q = query[0, :, meta.rows].transpose(0, 1).contiguous()  # [tokens, heads, dim]
+        if params.softcap is not None:
+            out[meta.rows] = _softcapped(meta, q, k, v, params)
+            return
+        left = -1 if params.window is None else params.window - 1
         attended = varlen_attn(
             q,
             k,
@@ -74,9 +89,31 @@ class VarlenBackend(AttentionBackend[VarlenInputs]):
             meta.cu_seqlens_k,
             meta.max_seqlen_q,
             meta.max_seqlen_k,
-            scale=scaling,
-            window_size=(-1, 0),
+            scale=params.scale,
+            window_size=(left, 0),
             enable_gqa=True,
         )
         assert isinstance(attended, torch.Tensor)  # no log-sum-exp asked for
         out[meta.rows] = attended
+
+
+def _softcapped(
+    meta: VarlenInputs,
+    q: torch.Tensor,  # [tokens, heads, dim]
+    k: torch.Tensor,  # [keys, kv_heads, dim], request after request
+    v: torch.Tensor,
+    params: LayerAttention,
+) -> torch.Tensor:
+    """`[tokens, heads, dim]`: each request's rows against its keys, eagerly."""
+    out = torch.empty_like(q)
+    q_start = k_start = 0
+    for new, keys in zip(meta.num_new, meta.num_keys, strict=True):
+        cached = keys - new
+        mask = segment_mask(cached, new, 0, params.window, q.device)
+        rows = slice(q_start, q_start + new)
+        k_req = k[k_start : k_start + keys].transpose(0, 1).unsqueeze(0)  # [1, kv, keys, dim]
+        v_req = v[k_start : k_start + keys].transpose(0, 1).unsqueeze(0)
+        o = attend(q[rows].transpose(0, 1).unsqueeze(0), k_req, v_req, mask, params)
+        out[rows] = o[0].transpose(0, 1)
+        q_start, k_start = q_start + new, k_start + keys
+    return out

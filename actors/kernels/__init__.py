@@ -57,6 +57,7 @@ class PagedDecode:
         fn = getattr(library, KERNELS[dtype][1])
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+        fn.argtypes += [i64, ctypes.c_float]  # window (0: none), softcap (0: none)
         fn.argtypes += [ptr, ptr, i64]  # out, lse (NULL: not written), threads
         fn.restype = ctypes.c_int
         self._fn = fn
@@ -71,10 +72,12 @@ class PagedDecode:
         scale: float,
         out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written
         lse: torch.Tensor | None = None,  # [num_seqs, num_heads], written when given
+        window: int | None = None,  # attend to each sequence's last `window` keys only
+        softcap: float | None = None,  # scores become softcap * tanh(score / softcap)
     ) -> None:
         """Attend each sequence's one query to its keys in the paged cache, into `out` (and
-        each head's log-sum-exp of its scaled scores into `lse`); every argument checked (a
-        ValueError names the bad one)."""
+        each head's log-sum-exp of its scaled (and capped) scores into `lse`); every
+        argument checked (a ValueError names the bad one)."""
         check_cache(k_cache, v_cache, self.dtype)
         check_step(block_tables, seq_lens)
         _check("query", query, self.dtype)
@@ -87,7 +90,9 @@ class PagedDecode:
                 raise ValueError("lse must be [num_seqs, num_heads]")
         if query.shape[1] % k_cache.shape[2]:
             raise ValueError("num_heads must be a multiple of kv_heads")
-        self.run(query, k_cache, v_cache, block_tables, seq_lens, scale, out, lse)
+        if (window is not None and window < 1) or (softcap is not None and softcap <= 0):
+            raise ValueError(f"window must be >= 1 and softcap > 0, got {window}, {softcap}")
+        self.run(query, k_cache, v_cache, block_tables, seq_lens, scale, out, lse, window, softcap)
 
     def run(
         self,
@@ -99,6 +104,8 @@ class PagedDecode:
         scale: float,
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """`__call__` without the checks, for a caller that made sure of them: the caches
         with `check_cache` once, the step's tables with `check_step` once per step, and
@@ -122,6 +129,8 @@ class PagedDecode:
             head_dim,
             block_size,
             scale,
+            window or 0,
+            softcap or 0.0,
             out.data_ptr(),
             None if lse is None else lse.data_ptr(),
             torch.get_num_threads(),

@@ -13,6 +13,10 @@
  * Two passes per sequence: scores and an exact max-subtracted softmax, then the weighted sum
  * of V. Sequences are split over OpenMP threads (torch's own libgomp when loaded by torch).
  *
+ * A layer with a sliding window (`window` > 0) attends to its last `window` keys only (Hugging
+ * Face's: keys at positions > position - window); one with a logit softcap (`softcap` > 0)
+ * turns each scaled score s into softcap * tanh(s / softcap) before the softmax (Gemma 2).
+ *
  * `raypack_paged_decode_lse_f32` also writes each head's log-sum-exp of its scaled scores
  * (max + log(sum)), [num_seqs, num_heads]: what merging this attention with another over
  * other keys needs (the shared-prefix backend, actors/attention/shared_prefix.py).
@@ -23,17 +27,20 @@
 #include <string.h>
 
 static void attend(const float *q, const float *k_cache, const float *v_cache,
-                   const int64_t *table, int64_t len, int64_t num_heads, int64_t group,
-                   int64_t head_dim, int64_t block_size, int64_t token_stride, float scale,
-                   float *scores, float *out, float *lse) {
-    for (int64_t t = 0; t < len; t++) {
+                   const int64_t *table, int64_t first, int64_t end, int64_t num_heads,
+                   int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride,
+                   float scale, float softcap, float *scores, float *out, float *lse) {
+    const int64_t len = end - first; /* keys attended: positions first .. end - 1 */
+    for (int64_t i = 0; i < len; i++) {
+        const int64_t t = first + i;
         const float *k = k_cache + (table[t / block_size] * block_size + t % block_size) * token_stride;
         for (int64_t h = 0; h < num_heads; h++) {
             const float *kh = k + (h / group) * head_dim;
             const float *qh = q + h * head_dim;
             float dot = 0.f;
             for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * kh[d];
-            scores[h * len + t] = dot * scale;
+            const float s = dot * scale;
+            scores[h * len + i] = softcap > 0.f ? softcap * tanhf(s / softcap) : s;
         }
     }
     for (int64_t h = 0; h < num_heads; h++) {
@@ -53,23 +60,26 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
         for (int64_t t = 0; t < len; t++) s[t] *= inv;
     }
     memset(out, 0, sizeof(float) * (size_t)(num_heads * head_dim));
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t i = 0; i < len; i++) {
+        const int64_t t = first + i;
         const float *v = v_cache + (table[t / block_size] * block_size + t % block_size) * token_stride;
         for (int64_t h = 0; h < num_heads; h++) {
             const float *vh = v + (h / group) * head_dim;
-            const float w = scores[h * len + t];
+            const float w = scores[h * len + i];
             float *o = out + h * head_dim;
             for (int64_t d = 0; d < head_dim; d++) o[d] += w * vh[d];
         }
     }
 }
 
-/* Returns 0, or 1 when scratch memory could not be allocated. lse may be NULL. */
+/* Returns 0, or 1 when scratch memory could not be allocated. lse may be NULL; window 0: none;
+ * softcap 0: none. */
 int raypack_paged_decode_lse_f32(const float *q, const float *k_cache, const float *v_cache,
                                  const int64_t *block_tables, int64_t max_blocks,
                                  const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                 float scale, float *out, float *lse, int64_t num_threads) {
+                                 float scale, int64_t window, float softcap, float *out,
+                                 float *lse, int64_t num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     int64_t longest = 1;
@@ -85,23 +95,14 @@ int raypack_paged_decode_lse_f32(const float *q, const float *k_cache, const flo
         }
 #pragma omp for schedule(dynamic, 4)
         for (int64_t i = 0; i < num_seqs; i++) {
+            const int64_t first = window > 0 && seq_lens[i] > window ? seq_lens[i] - window : 0;
             if (scores)
                 attend(q + i * num_heads * head_dim, k_cache, v_cache,
-                       block_tables + i * max_blocks, seq_lens[i], num_heads, group, head_dim,
-                       block_size, token_stride, scale, scores, out + i * num_heads * head_dim,
-                       lse ? lse + i * num_heads : NULL);
+                       block_tables + i * max_blocks, first, seq_lens[i], num_heads, group,
+                       head_dim, block_size, token_stride, scale, softcap, scores,
+                       out + i * num_heads * head_dim, lse ? lse + i * num_heads : NULL);
         }
         free(scores);
     }
     return failed;
-}
-
-int raypack_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                             const int64_t *block_tables, int64_t max_blocks,
-                             const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, float *out, int64_t num_threads) {
-    return raypack_paged_decode_lse_f32(q, k_cache, v_cache, block_tables, max_blocks, seq_lens,
-                                        num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                                        scale, out, NULL, num_threads);
 }

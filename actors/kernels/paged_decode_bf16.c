@@ -8,6 +8,9 @@
  * (nearest, ties to even: what torch's float32 -> bfloat16 conversion does). Reading bf16
  * halves the bytes, and decode attention is bound by those bytes, not by arithmetic.
  *
+ * `window` (> 0: the last `window` keys only) and `softcap` (> 0: softcap * tanh(s / softcap)
+ * on each scaled score) as in paged_decode.c.
+ *
  * `lse`, when not NULL, receives each head's log-sum-exp of its scaled scores (float32,
  * [num_seqs, num_heads]), for merging with attention over other keys.
  */
@@ -33,11 +36,14 @@ static void widen_row(const uint16_t *src, float *dst, int64_t n) {
 }
 
 static void attend(const uint16_t *q16, const uint16_t *k_cache, const uint16_t *v_cache,
-                   const int64_t *table, int64_t len, int64_t num_heads, int64_t group,
-                   int64_t head_dim, int64_t block_size, int64_t token_stride, float scale,
-                   float *scores, float *q, float *row, float *acc, uint16_t *out, float *lse) {
+                   const int64_t *table, int64_t first, int64_t end, int64_t num_heads,
+                   int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride,
+                   float scale, float softcap, float *scores, float *q, float *row, float *acc,
+                   uint16_t *out, float *lse) {
+    const int64_t len = end - first; /* keys attended: positions first .. end - 1 */
     widen_row(q16, q, num_heads * head_dim);
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t i = 0; i < len; i++) {
+        const int64_t t = first + i;
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
         widen_row(k_cache + slot * token_stride, row, token_stride);
         for (int64_t h = 0; h < num_heads; h++) {
@@ -45,7 +51,8 @@ static void attend(const uint16_t *q16, const uint16_t *k_cache, const uint16_t 
             const float *qh = q + h * head_dim;
             float dot = 0.f;
             for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * kh[d];
-            scores[h * len + t] = dot * scale;
+            const float s = dot * scale;
+            scores[h * len + i] = softcap > 0.f ? softcap * tanhf(s / softcap) : s;
         }
     }
     for (int64_t h = 0; h < num_heads; h++) {
@@ -63,12 +70,13 @@ static void attend(const uint16_t *q16, const uint16_t *k_cache, const uint16_t 
         for (int64_t t = 0; t < len; t++) s[t] *= inv;
     }
     memset(acc, 0, sizeof(float) * (size_t)(num_heads * head_dim));
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t i = 0; i < len; i++) {
+        const int64_t t = first + i;
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
         widen_row(v_cache + slot * token_stride, row, token_stride);
         for (int64_t h = 0; h < num_heads; h++) {
             const float *vh = row + (h / group) * head_dim;
-            const float w = scores[h * len + t];
+            const float w = scores[h * len + i];
             float *o = acc + h * head_dim;
             for (int64_t d = 0; d < head_dim; d++) o[d] += w * vh[d];
         }
@@ -76,13 +84,14 @@ static void attend(const uint16_t *q16, const uint16_t *k_cache, const uint16_t 
     for (int64_t i = 0; i < num_heads * head_dim; i++) out[i] = narrow(acc[i]);
 }
 
-/* Returns 0, or 1 when scratch memory could not be allocated. lse may be NULL. */
+/* Returns 0, or 1 when scratch memory could not be allocated. lse may be NULL; window 0: none;
+ * softcap 0: none. */
 int raypack_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache,
                               const uint16_t *v_cache, const int64_t *block_tables,
                               int64_t max_blocks, const int64_t *seq_lens, int64_t num_seqs,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                              int64_t block_size, float scale, uint16_t *out, float *lse,
-                              int64_t num_threads) {
+                              int64_t block_size, float scale, int64_t window, float softcap,
+                              uint16_t *out, float *lse, int64_t num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t width = num_heads * head_dim;
@@ -107,10 +116,12 @@ int raypack_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache,
         }
 #pragma omp for schedule(dynamic, 4)
         for (int64_t i = 0; i < num_seqs; i++) {
+            const int64_t first = window > 0 && seq_lens[i] > window ? seq_lens[i] - window : 0;
             if (scratch)
-                attend(q + i * width, k_cache, v_cache, block_tables + i * max_blocks,
+                attend(q + i * width, k_cache, v_cache, block_tables + i * max_blocks, first,
                        seq_lens[i], num_heads, group, head_dim, block_size, token_stride, scale,
-                       scores, q32, row, acc, out + i * width, lse ? lse + i * num_heads : NULL);
+                       softcap, scores, q32, row, acc, out + i * width,
+                       lse ? lse + i * num_heads : NULL);
         }
         free(scratch);
     }

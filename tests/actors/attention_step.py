@@ -1,6 +1,7 @@
 """One mixed step for attention-backend tests: three decodes (one whose new token opens a
 block), a cached prefix extended by a chunk, and a fresh prompt, over blocks in a shuffled
-order; and its first-principles answer (each request alone, one SDPA over its keys)."""
+order; and its first-principles answer (each request alone, one SDPA over its keys, or the
+eager softmax of Hugging Face's Gemma 2 with a sliding window and a logit softcap)."""
 
 from __future__ import annotations
 
@@ -72,21 +73,24 @@ def attend(
     step: Step,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    **layer: Any,
 ) -> torch.Tensor:
     """The step through `paged_attention` with the backend `make` builds over a copy of the
-    caches; `[tokens, heads, dim]` in float32 on CPU."""
+    caches; `[tokens, heads, dim]` in float32 on CPU. `layer`: the keywords transformers
+    passes a layer's attention (`sliding_window`, `softcap`)."""
     caches = [(k.to(device, dtype).clone(), v.to(device, dtype).clone()) for k, v in step.caches]
     backend = make(caches)
     slots = slot_mapping(NUM_CACHED, NUM_NEW, BLOCKS, BLOCK_SIZE)
     meta = AttentionMetadata.build(backend, batch(), slots)
     q, k, v = (t.to(device, dtype) for t in (step.q, step.k, step.v))
-    out, _ = paged_attention(Layer(), q, k, v, None, scaling=SCALE, raypack_attention=meta)
+    out, _ = paged_attention(Layer(), q, k, v, None, scaling=SCALE, raypack_attention=meta, **layer)
     return out[0].float().cpu()
 
 
-def reference(step: Step) -> torch.Tensor:
+def reference(step: Step, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Each request alone: its cached keys (read from the cache as it was) then its new
-    ones, causal with the new rows aligned at the end."""
+    ones, causal with the new rows aligned at the end (and, given a window or a softcap,
+    Hugging Face's eager attention with them: `reference_eager`)."""
     k_cache, v_cache = step.caches[Layer.layer_idx]
     _, _, kv_heads, dim = k_cache.shape
     rows = np.concatenate([[0], np.cumsum(NUM_NEW)])
@@ -98,6 +102,10 @@ def reference(step: Step) -> torch.Tensor:
         k = torch.cat([k_cache.view(-1, kv_heads, dim)[slots], step.k[0, :, lo:hi].transpose(0, 1)])
         v = torch.cat([v_cache.view(-1, kv_heads, dim)[slots], step.v[0, :, lo:hi].transpose(0, 1)])
         mask = torch.arange(cached + new)[None, :] <= cached + torch.arange(new)[:, None]
+        if window is not None or softcap is not None:
+            positions = cached + torch.arange(new)
+            out[lo:hi] = reference_eager(step.q[0, :, lo:hi], k, v, positions, window, softcap)
+            continue
         o = F.scaled_dot_product_attention(
             step.q[0, :, lo:hi],
             k.transpose(0, 1),
@@ -110,15 +118,44 @@ def reference(step: Step) -> torch.Tensor:
     return out
 
 
+def reference_eager(
+    q: torch.Tensor,  # [heads, new, dim]
+    k: torch.Tensor,  # [keys, kv_heads, dim], positions 0 ..
+    v: torch.Tensor,
+    positions: torch.Tensor,  # [new] the queries' positions
+    window: int | None,
+    softcap: float | None,
+    scale: float = SCALE,
+) -> torch.Tensor:
+    """`[new, heads, dim]`: transformers' Gemma 2 `eager_attention_forward` (scale, softcap,
+    mask, float32 softmax) under its `sliding_window_causal_mask_function` (a query at p
+    sees keys at positions k with p - window < k <= p), written out key by key."""
+    heads, kv_heads = q.shape[0], k.shape[1]
+    keys = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [heads, keys, dim]
+    values = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+    scores = q @ keys.transpose(1, 2) * scale  # [heads, new, keys]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    for row, p in enumerate(positions.tolist()):
+        for key in range(k.shape[0]):
+            if key > p or (window is not None and not key > p - window):
+                scores[:, row, key] = float("-inf")
+    return (torch.softmax(scores.float(), dim=-1) @ values).transpose(0, 1)
+
+
 def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
     """`varlen_attn`'s semantics in plain torch (a CPU stand-in): causal masks aligned
-    bottom-right."""
-    assert window_size == (-1, 0) and enable_gqa
+    bottom-right, and flash's sliding window `(left, 0)`: a query sees `left` keys before
+    its own."""
+    left, right = window_size
+    assert right == 0 and enable_gqa
     out = torch.empty_like(q)  # [tokens, heads, dim]
     for i in range(len(cu_q) - 1):
         qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
         rows = (ke - ks) - (qe - qs) + torch.arange(qe - qs)
         mask = torch.arange(ke - ks)[None, :] <= rows[:, None]
+        if left >= 0:
+            mask &= torch.arange(ke - ks)[None, :] >= rows[:, None] - left
         o = torch.nn.functional.scaled_dot_product_attention(
             q[qs:qe].transpose(0, 1),
             k[ks:ke].transpose(0, 1),

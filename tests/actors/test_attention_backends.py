@@ -39,6 +39,38 @@ def test_every_backend_matches_each_request_alone(name, heads, kv_heads, dim, mo
     torch.testing.assert_close(out, reference(step))
 
 
+# Windows cutting into every request's keys (8), into the long ones only (20), and a window
+# every request is within (64: as without one); softcaps below and near the scores' spread.
+LAYERS = [
+    dict(sliding_window=8),
+    dict(sliding_window=20),
+    dict(sliding_window=64),
+    dict(softcap=1.5),
+    dict(sliding_window=8, softcap=2.0),
+]
+
+
+@pytest.mark.parametrize("name", NAMED)
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_every_backend_windows_and_softcaps_as_hugging_face(name, layer, monkeypatch):
+    """A layer's sliding window and logit softcap, as transformers passes them, give each
+    request's rows Hugging Face's eager attention with them, on every backend."""
+    step = make_step(6, 2, 64, seed=5)
+    expected = reference(step, layer.get("sliding_window"), layer.get("softcap"))
+    if name in available_backends("cpu", torch.float32):
+        out = attend(lambda caches: make_backend(name, caches), step, **layer)
+    elif name == "varlen":
+        from torch.nn.attention import varlen
+
+        monkeypatch.setattr(varlen, "varlen_attn", reference_varlen)
+        out = attend(VarlenBackend, step, **layer)
+    else:
+        pytest.skip(f"{name} cannot run on this machine")
+    torch.testing.assert_close(out, expected)
+    if layer.get("sliding_window") != 64:  # the test can fail: the plain answer differs
+        assert not torch.allclose(out, reference(step), atol=1e-3)
+
+
 def test_sdpa_per_request_alone_attends_a_whole_step() -> None:
     """The prefill backend takes decodes too (a segment of one row)."""
     step = make_step()
@@ -46,10 +78,14 @@ def test_sdpa_per_request_alone_attends_a_whole_step() -> None:
 
 
 @pytest.mark.parametrize("name", ["sdpa", "cpu_kernel"])
-def test_backend_runs_in_bfloat16(name) -> None:
+@pytest.mark.parametrize(
+    "layer", [{}, dict(sliding_window=8, softcap=2.0)], ids=["plain", "capped"]
+)
+def test_backend_runs_in_bfloat16(name, layer) -> None:
     step = make_step()
-    out = attend(lambda caches: make_backend(name, caches), step, dtype=torch.bfloat16)
-    torch.testing.assert_close(out, reference(step), atol=3e-2, rtol=3e-2)
+    out = attend(lambda caches: make_backend(name, caches), step, dtype=torch.bfloat16, **layer)
+    expected = reference(step, layer.get("sliding_window"), layer.get("softcap"))
+    torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
 
 
 def test_auto_picks_from_device_and_dtype() -> None:

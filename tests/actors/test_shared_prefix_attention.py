@@ -17,6 +17,7 @@ from actors.attention.shared_prefix import (
 )
 from actors.kernels import paged_decode_kernel
 from packing.layout import flat_layout, padded_block_tables, slot_mapping, token_slots
+from tests.actors.attention_step import reference_eager
 
 pytestmark = pytest.mark.skipif(
     paged_decode_kernel("cpu", torch.float32) is None, reason="no C compiler for the kernel"
@@ -85,18 +86,19 @@ def decode_step(heads: int, kv_heads: int, dim: int, seed: int, layout=nested_ta
     return tables, keys, caches, (q, k, v), batch
 
 
-def run(shared: bool, step, min_keys: int = 1) -> tuple[torch.Tensor, object]:
+def run(shared: bool, step, min_keys: int = 1, **layer) -> tuple[torch.Tensor, object]:
     tables, keys, caches, (q, k, v), batch = step
     caches = [(kc.clone(), vc.clone()) for kc, vc in caches]
     backend = make_backend("cpu_kernel", caches, shared, min_keys)
     slots = slot_mapping(batch.num_cached, batch.num_new, tables, BLOCK)
     meta = AttentionMetadata.build(backend, batch, slots)
-    out, _ = paged_attention(Layer(), q, k, v, None, scaling=SCALE, raypack_attention=meta)
+    out, _ = paged_attention(Layer(), q, k, v, None, scaling=SCALE, raypack_attention=meta, **layer)
     return out[0], meta.prepared
 
 
-def alone(step) -> torch.Tensor:
-    """Each decode alone: SDPA over its keys read from the cache after the step's write."""
+def alone(step, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Each decode alone: SDPA over its keys read from the cache after the step's write
+    (Hugging Face's eager attention with a window or a softcap)."""
     tables, keys, caches, (q, k, v), batch = step
     k_cache, v_cache = (c.clone() for c in caches[0])
     _, _, kv_heads, dim = k_cache.shape
@@ -109,6 +111,11 @@ def alone(step) -> torch.Tensor:
         ki = k_cache.view(-1, kv_heads, dim)[index].transpose(0, 1)  # [kv_heads, keys, dim]
         vi = v_cache.view(-1, kv_heads, dim)[index].transpose(0, 1)
         qi = q[0, :, i : i + 1]  # [heads, 1, dim]
+        if window is not None or softcap is not None:
+            kv = (ki.transpose(0, 1), vi.transpose(0, 1))  # [keys, kv_heads, dim]
+            position = torch.tensor([int(keys[i]) - 1])
+            out[i] = reference_eager(qi, *kv, position, window, softcap, SCALE)[0]
+            continue
         out[i] = F.scaled_dot_product_attention(qi, ki, vi, scale=SCALE, enable_gqa=True)[:, 0]
     return out
 
@@ -123,6 +130,27 @@ def test_merged_attention_equals_plain_attention(heads, kv_heads, dim) -> None:
     expected = alone(step)
     torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("layer", "shares"),
+    [
+        (dict(softcap=1.5), True),  # runs computed eagerly, capped as the kernel caps
+        (dict(sliding_window=6), False),  # shorter than the decodes: the plain kernel
+        (dict(sliding_window=50, softcap=2.0), True),  # every decode within it: shared
+    ],
+)
+def test_merged_attention_windows_and_softcaps(layer, shares) -> None:
+    step = decode_step(6, 2, 64, seed=11)
+    merged, (decode_meta, _) = run(True, step, **layer)
+    assert isinstance(decode_meta, SharedPrefixDecodes) and decode_meta.longest == 46
+    assert (layer.get("sliding_window", 10**6) >= decode_meta.longest) == shares
+    plain, _ = run(False, step, **layer)
+    expected = alone(step, layer.get("sliding_window"), layer.get("softcap"))
+    torch.testing.assert_close(plain, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
+    if layer.get("sliding_window") != 50:  # the window or the cap changes the answer
+        assert not torch.allclose(merged, alone(step), atol=1e-3)
 
 
 def outer_small_inner_large() -> tuple[list[list[int]], np.ndarray]:
