@@ -81,6 +81,7 @@ def engine_config(model_dir: Path, **overrides) -> EngineConfig:
     """Chunked prefill (chunk 7) with prefix caching, a small KV pool."""
     settings = dict(
         model=str(model_dir),
+        dtype="float32",  # the exactness promise is checked in float32
         num_kv_blocks=128,
         chunk_size=7,
         max_num_batched_tokens=48,
