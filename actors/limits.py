@@ -24,12 +24,24 @@ def max_model_len(model: Any, config: EngineConfig, num_blocks: int) -> int:
     """The context: the model's (or config's), never beyond the KV pool or a sliding window
     (this engine attends to the full context only)."""
     text = model.config.get_text_config()
-    limit = config.max_model_len or getattr(text, "max_position_embeddings", None) or 2048
+    limit = config.max_model_len or dynamic_rope_context(text)
+    limit = limit or getattr(text, "max_position_embeddings", None) or 2048
     window = getattr(text, "sliding_window", None)
     if window and getattr(text, "use_sliding_window", True) and window < limit:
         logger.warning("max_model_len capped to the sliding window (%d tokens)", window)
         limit = window
     return min(limit, num_blocks * config.block_size)
+
+
+def dynamic_rope_context(text: Any) -> int | None:
+    """A dynamic NTK rope model's context: `factor` x `max_position_embeddings`, the length
+    vLLM derives for it (HF `generate` sets no limit: the scaling grows with the sequence,
+    actors/rope.py); None for other rope types (longrope's context is max_position_embeddings
+    itself). A larger `EngineConfig.max_model_len` is honoured."""
+    params = getattr(text, "rope_parameters", None) or {}
+    if params.get("rope_type") != "dynamic" or not params.get("factor"):
+        return None
+    return int(float(params["factor"]) * int(text.max_position_embeddings))
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:

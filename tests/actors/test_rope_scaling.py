@@ -1,0 +1,197 @@
+"""Length-dependent rope (longrope, dynamic NTK) per request: greedy equal to HF `generate` on
+each prompt alone, on every path (packed with longer and shorter prompts, crossing the
+threshold while generating, chunked, prefix cache, prefix groups).
+
+The tiny models' short and long factors (and the NTK factor) differ a lot, and
+`test_factors_matter` shows the outputs change with them: the comparisons test the rope.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from actors import EngineConfig, LLMEngine, SamplingParams
+from actors.rope import RequestRotary
+from packing.prefix import PrefixGroup
+from tests.tiny_models import LAYER_STD
+
+VOCAB = 512
+HEAD_DIM = 16
+ORIGINAL = 64  # longrope's original_max_position_embeddings; dynamic's max_position_embeddings
+MAX_NEW = 12
+# Below, around and above the threshold; 50 and 60 cross it while generating.
+LENGTHS = [20, 50, 60, 63, 64, 65, 100, 150]
+
+
+def rope_model(kind: str, rope: str | None = None):
+    """A tiny phi3 (longrope) or llama (dynamic NTK) whose context moves its logits.
+    `rope="default"`: the same weights with plain rope."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=4 * HEAD_DIM,
+        intermediate_size=8 * HEAD_DIM,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    if kind == "phi3":
+        params = dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            short_factor=[1.0] * (HEAD_DIM // 2),
+            long_factor=[4.0 + 3.0 * i for i in range(HEAD_DIM // 2)],
+            original_max_position_embeddings=ORIGINAL,
+            factor=4.0,
+        )
+        config = AutoConfig.for_model(
+            "phi3",
+            max_position_embeddings=4 * ORIGINAL,
+            original_max_position_embeddings=ORIGINAL,
+            rope_parameters=params if rope is None else dict(rope_type=rope, rope_theta=1e4),
+            **common,
+        )
+    else:
+        params = dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0)
+        config = AutoConfig.for_model(
+            "llama",
+            max_position_embeddings=ORIGINAL,
+            rope_parameters=params if rope is None else dict(rope_type=rope, rope_theta=1e4),
+            head_dim=HEAD_DIM,
+            **common,
+        )
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0, 1.0)
+        generator = torch.Generator().manual_seed(1)
+        for param in model.model.layers.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, LAYER_STD, generator=generator)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def prompts(lengths: list[int], shared: int = 0, seed: int = 3) -> list[list[int]]:
+    """Random token prompts of these lengths; the first `shared` tokens common to all."""
+    generator = torch.Generator().manual_seed(seed)
+    head = torch.randint(3, VOCAB, (shared,), generator=generator).tolist()
+    return [
+        head + torch.randint(3, VOCAB, (n - shared,), generator=generator).tolist() for n in lengths
+    ]
+
+
+@torch.inference_mode()
+def hf_alone(model, prompt: list[int], max_new: int = MAX_NEW) -> list[int]:
+    """HF greedy on this prompt alone, from the model's state as loaded (dynamic rope keeps
+    the frequencies of its longest call: a copy per prompt keeps earlier calls out)."""
+    fresh = copy.deepcopy(model)
+    out = fresh.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def references():
+    """The reference model and HF's tokens per prompt, per kind, computed once."""
+    cache: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    models = {kind: rope_model(kind) for kind in ("phi3", "llama")}
+
+    def expected(kind: str, prompt: list[int]) -> list[int]:
+        key = (kind, tuple(prompt))
+        if key not in cache:
+            cache[key] = hf_alone(models[kind], prompt)
+        return cache[key]
+
+    return expected
+
+
+def engine(kind: str, tokenizer, **config) -> LLMEngine:
+    """An engine over a fresh copy of the tiny rope model."""
+    config.setdefault("num_kv_blocks", 256)
+    config.setdefault("attention_backend", "sdpa")
+    return LLMEngine(EngineConfig(**config), model=rope_model(kind), tokenizer=tokenizer)
+
+
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+def check(eng: LLMEngine, kind: str, batch: list[list[int]], expected, groups=None) -> int:
+    """Every prompt's tokens equal HF's alone; returns the prompt tokens served cached."""
+    outs = eng.generate(batch, GREEDY, prefix_groups=groups)
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.finish_reason == "length", out.error
+        assert list(out.token_ids) == expected(kind, prompt), f"prompt of {len(prompt)} tokens"
+    return sum(out.num_cached_tokens for out in outs)
+
+
+@pytest.mark.parametrize("kind", ["phi3", "llama"])
+def test_factors_matter(kind):
+    """The same weights with plain rope generate otherwise past the threshold (the other
+    tests would pass with any frequencies if not), and the engine wraps the rotary."""
+    scaled, plain = rope_model(kind), rope_model(kind, rope="default")
+    batch = prompts([60, 100, 150])
+    differ = [hf_alone(scaled, p) != hf_alone(plain, p) for p in batch]
+    assert all(differ), differ
+
+
+@pytest.mark.parametrize("kind", ["phi3", "llama"])
+def test_packed_short_and_long(kind, tokenizer, references):
+    """Short and long prompts in the same steps, each as HF alone, with the steps really
+    packing both (one step holds every prompt)."""
+    eng = engine(kind, tokenizer, max_num_batched_tokens=1024)
+    assert isinstance(eng.model.get_decoder().rotary_emb, RequestRotary)
+    check(eng, kind, prompts(LENGTHS), references)
+
+
+@pytest.mark.parametrize("kind", ["phi3", "llama"])
+@pytest.mark.parametrize("backend", ["sdpa", "cpu_kernel"])
+def test_chunked(kind, backend, tokenizer, references):
+    """Chunks of 16: every chunk of a prompt uses the whole prompt's frequencies."""
+    from actors.attention import available_backends
+
+    if backend not in available_backends("cpu", torch.float32):
+        pytest.skip(f"{backend} cannot run here")
+    eng = engine(
+        kind, tokenizer, chunk_size=16, max_num_batched_tokens=48, attention_backend=backend
+    )
+    check(eng, kind, prompts(LENGTHS, seed=5), references)
+
+
+@pytest.mark.parametrize("kind", ["phi3", "llama"])
+def test_prefix_cache(kind, tokenizer, references):
+    """Prompts sharing 48 tokens on both sides of the threshold, twice through one engine:
+    a cached block is reused only by requests whose rope gives it the same K/V."""
+    eng = engine(kind, tokenizer, enable_prefix_caching=True)
+    batch = prompts([50, 60, 70, 100, 100, 130], shared=48, seed=7)
+    check(eng, kind, batch, references)
+    assert check(eng, kind, batch[::-1], references) > 0
+
+
+@pytest.mark.parametrize("kind", ["phi3", "llama"])
+def test_prefix_groups(kind, tokenizer, references):
+    """Planner groups whose members fall on both sides of the threshold (nested too)."""
+    eng = engine(kind, tokenizer, enable_prefix_caching=False)
+    batch = prompts([40, 50, 60, 90, 90, 120], shared=32, seed=11)
+    batch[4] = batch[3][:80] + batch[4][80:]  # 3 and 4 share 80 tokens
+    batch[1] = batch[0][:33] + batch[1][33:]
+    groups = [
+        PrefixGroup(members=(0, 1, 2, 3, 4, 5), prefix_len=32),
+        PrefixGroup(members=(0, 1), prefix_len=33, parent=0),
+        PrefixGroup(members=(3, 4), prefix_len=80, parent=0),
+    ]
+    check(eng, kind, batch, references, groups)
