@@ -83,11 +83,6 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model = model
         self.rope = RopePolicy.of(model)  # None unless the rope depends on the length
-        if self.rope is not None and config.world_size > 1:
-            raise ValueError(
-                f"{self.rope.rope_type} rope runs in a single-process engine only, not with "
-                "tensor/pipeline parallel workers"
-            )
         num_blocks = config.num_kv_blocks or limits.blocks_from_memory(model, config)
         self.max_model_len = limits.max_model_len(model, config, num_blocks)
         self.vocab_size = model.config.get_text_config().vocab_size
@@ -96,7 +91,9 @@ class LLMEngine:
         if config.world_size > 1:
             from actors.parallel.pipelined import start_executor
 
-            self.runner = start_executor(config, num_blocks, dtype, compiled_graph)
+            self.runner = start_executor(
+                config, num_blocks, dtype, compiled_graph, rope=self.rope is not None
+            )
         elif compiled_graph:
             raise ValueError("compiled_graph needs pipeline_parallel_size > 1")
         else:
