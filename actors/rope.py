@@ -70,8 +70,16 @@ class RopePolicy:
             raise ValueError(
                 f"{model_type}: rope_type longrope/dynamic per layer type is not supported"
             )
-        if rotary_module(model) is None:
-            raise ValueError(f"{model_type}: {rope_type} rope needs the model's rotary_emb")
+        rotary = rotary_module(model)
+        if isinstance(rotary, RequestRotary):  # a second engine over the same model
+            rotary = rotary.inner
+        if rotary is None or not all(
+            hasattr(rotary, name) for name in ("inv_freq", "original_inv_freq", "config")
+        ):
+            raise ValueError(
+                f"{model_type}: {rope_type} rope needs transformers' rotary_emb module "
+                "(inv_freq, original_inv_freq) to be computed per request"
+            )
         if rope_type == "longrope":
             threshold = int(params["original_max_position_embeddings"])
         else:
