@@ -41,7 +41,13 @@ def dynamic_rope_context(text: Any) -> int | None:
     params = getattr(text, "rope_parameters", None) or {}
     if params.get("rope_type") != "dynamic" or not params.get("factor"):
         return None
-    return int(float(params["factor"]) * int(text.max_position_embeddings))
+    context = int(float(params["factor"]) * int(text.max_position_embeddings))
+    logger.info(
+        "dynamic NTK rope: context %d tokens (factor x max_position_embeddings, as vLLM; "
+        "EngineConfig.max_model_len sets another)",
+        context,
+    )
+    return context
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
