@@ -20,8 +20,9 @@ LENGTHS = [20, 50, 60, 63, 64, 65, 100, 150]
 
 
 def rope_model(kind: str, rope: str | None = None):
-    """A tiny phi3 (longrope) or llama (dynamic NTK) whose context moves its logits.
-    `rope="default"`: the same weights with plain rope."""
+    """A tiny phi3 (longrope), phi4 (phi3 longrope on 3/4 of each head, as Phi-4-mini) or
+    llama (dynamic NTK) whose context moves its logits. `rope="default"`: the same weights
+    with plain rope."""
     torch.manual_seed(0)
     common = dict(
         vocab_size=VOCAB,
@@ -35,20 +36,25 @@ def rope_model(kind: str, rope: str | None = None):
         eos_token_id=None,
         pad_token_id=0,
     )
-    if kind == "phi3":
+    if kind in ("phi3", "phi4"):
+        partial = 0.75 if kind == "phi4" else 1.0
+        num_factors = int(HEAD_DIM * partial) // 2
         params = dict(
             rope_type="longrope",
             rope_theta=10000.0,
-            short_factor=[1.0] * (HEAD_DIM // 2),
-            long_factor=[4.0 + 3.0 * i for i in range(HEAD_DIM // 2)],
+            short_factor=[1.0] * num_factors,
+            long_factor=[4.0 + 3.0 * i for i in range(num_factors)],
             original_max_position_embeddings=ORIGINAL,
             factor=4.0,
+            partial_rotary_factor=partial,
         )
+        plain = dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=partial)
         config = AutoConfig.for_model(
             "phi3",
             max_position_embeddings=4 * ORIGINAL,
             original_max_position_embeddings=ORIGINAL,
-            rope_parameters=params if rope is None else dict(rope_type=rope, rope_theta=1e4),
+            partial_rotary_factor=partial,
+            rope_parameters=params if rope is None else plain,
             **common,
         )
     else:

@@ -17,12 +17,14 @@ from actors.rope import RequestRotary
 from packing.prefix import PrefixGroup
 from tests.actors.rope_models import LENGTHS, MAX_NEW, hf_alone, prompts, rope_model
 
+KINDS = ["phi3", "phi4", "llama"]  # longrope, longrope on 3/4 of each head, dynamic NTK
+
 
 @pytest.fixture(scope="module")
 def references():
     """The reference model and HF's tokens per prompt, per kind, computed once."""
     cache: dict[tuple[str, tuple[int, ...]], list[int]] = {}
-    models = {kind: rope_model(kind) for kind in ("phi3", "llama")}
+    models = {kind: rope_model(kind) for kind in KINDS}
 
     def expected(kind: str, prompt: list[int]) -> list[int]:
         key = (kind, tuple(prompt))
@@ -60,7 +62,7 @@ def check(eng: LLMEngine, kind: str, batch: list[list[int]], expected, groups=No
     return sum(out.num_cached_tokens for out in outs)
 
 
-@pytest.mark.parametrize("kind", ["phi3", "llama"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_factors_matter(kind):
     """The same weights with plain rope generate otherwise past the threshold (the other
     tests would pass with any frequencies if not), and the engine wraps the rotary."""
@@ -70,7 +72,7 @@ def test_factors_matter(kind):
     assert all(differ), differ
 
 
-@pytest.mark.parametrize("kind", ["phi3", "llama"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_packed_short_and_long(kind, backend, tokenizer, references):
     """Short and long prompts in the same steps, each as HF alone, with the steps really
     packing both (one step holds every prompt)."""
@@ -79,7 +81,7 @@ def test_packed_short_and_long(kind, backend, tokenizer, references):
     check(eng, kind, prompts(LENGTHS), references)
 
 
-@pytest.mark.parametrize("kind", ["phi3", "llama"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_chunked(kind, backend, tokenizer, references):
     """Chunks of 16: every chunk of a prompt uses the whole prompt's frequencies."""
     eng = engine(
@@ -88,7 +90,7 @@ def test_chunked(kind, backend, tokenizer, references):
     check(eng, kind, prompts(LENGTHS, seed=5), references)
 
 
-@pytest.mark.parametrize("kind", ["phi3", "llama"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_prefix_cache(kind, backend, tokenizer, references):
     """Prompts sharing 48 tokens on both sides of the threshold, twice through one engine:
     a cached block is reused only by requests whose rope gives it the same K/V."""
@@ -98,7 +100,7 @@ def test_prefix_cache(kind, backend, tokenizer, references):
     assert check(eng, kind, batch[::-1], references) > 0
 
 
-@pytest.mark.parametrize("kind", ["phi3", "llama"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_prefix_groups(kind, backend, tokenizer, references):
     """Planner groups whose members fall on both sides of the threshold (nested too)."""
     eng = engine(kind, tokenizer, enable_prefix_caching=False, attention_backend=backend)
@@ -113,7 +115,7 @@ def test_prefix_groups(kind, backend, tokenizer, references):
     assert check(eng, kind, batch, references, groups) > 0  # nested groups 1 and 2 share
 
 
-@pytest.mark.parametrize("kind", ["phi3", "llama"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_preemption(kind, tokenizer, references):
     """A pool too small for every prompt: preempted requests are recomputed with the rope
     lengths their tokens first had (prompt tokens the prompt's, generated ones their own)."""
@@ -122,7 +124,7 @@ def test_preemption(kind, tokenizer, references):
     assert eng.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("kind,context", [("phi3", 256), ("llama", 256)])
+@pytest.mark.parametrize("kind,context", [("phi3", 256), ("phi4", 256), ("llama", 256)])
 def test_context_is_the_models(kind, context, tokenizer):
     """longrope: max_position_embeddings; dynamic NTK: factor x max_position_embeddings
     (vLLM's length; HF sets none), never the unscaled 64."""
