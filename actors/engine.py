@@ -23,6 +23,7 @@ from actors.model_runner import ModelRunner, StepRunner
 from actors.outputs import FinishReason, RequestOutput, TokenLogprob
 from actors.prefix_sharing import plan_groups, planned_order
 from actors.request import Request, RequestStatus, SharedPrefixState
+from actors.rope import RopePolicy
 from actors.sampler import Sampler
 from actors.scheduler import SchedulerOutput
 from actors.stats import EngineStats, StepStats
@@ -81,6 +82,7 @@ class LLMEngine:
             tokenizer = loader.load_tokenizer(config.model, config.trust_remote_code)
         self.tokenizer = tokenizer
         self.model = model
+        self.rope = RopePolicy.of(model)  # None unless the rope depends on the length
         num_blocks = config.num_kv_blocks or limits.blocks_from_memory(model, config)
         self.max_model_len = limits.max_model_len(model, config, num_blocks)
         self.vocab_size = model.config.get_text_config().vocab_size
@@ -89,7 +91,9 @@ class LLMEngine:
         if config.world_size > 1:
             from actors.parallel.pipelined import start_executor
 
-            self.runner = start_executor(config, num_blocks, dtype, compiled_graph)
+            self.runner = start_executor(
+                config, num_blocks, dtype, compiled_graph, rope=self.rope is not None
+            )
         elif compiled_graph:
             raise ValueError("compiled_graph needs pipeline_parallel_size > 1")
         else:
@@ -245,6 +249,7 @@ class LLMEngine:
                 finished.setdefault(reason, []).append(req)
             else:
                 outputs.append(self._output(req))
+                self._restart_if_rope_changes(req)
         for reason, reqs in finished.items():
             self.scheduler.finish(reqs, reason)
             outputs.extend(self._retire(req) for req in reqs)
@@ -280,6 +285,7 @@ class LLMEngine:
             prefix_groups or (),
             runnable=lambda ids: self._check_prompt(ids) is None,
             new_id=lambda: self._new_id("prefix"),
+            cache_salt=self.rope.cache_salt if self.rope is not None else None,
         )
         ids = [""] * len(prompts)
         queued: set[int] = set()
@@ -344,6 +350,8 @@ class LLMEngine:
         try:
             ids = self._tokenize(prompt)
             req = Request(request_id, ids, params or SamplingParams(), group=group)
+            if self.rope is not None:
+                req.cache_salt = self.rope.cache_salt(req.rope_len)
             self.detokenizer.start(req)
         except Exception as exc:  # noqa: BLE001 (this request's fault; the engine goes on)
             logger.exception("request %s could not be admitted", request_id)
@@ -427,6 +435,17 @@ class LLMEngine:
             logger.exception("postprocessing a token of request %s failed", req.request_id)
             req.error = f"postprocessing a generated token failed: {_describe(exc)}"
             return "error"
+
+    def _restart_if_rope_changes(self, req: Request) -> None:
+        """Phi-3's `generate` recomputes a sequence that first grows past its original
+        context with the long rope factors (actors/rope.py): so does the engine."""
+        rope = self.rope
+        if rope is not None and rope.restarts(
+            req.num_tokens, req.num_computed_tokens, req.rope_len
+        ):
+            rope_len = req.num_tokens
+            scheduler = self.scheduler.schedulers[self.scheduler.owner(req)]
+            scheduler.restart(req, rope_len, rope.cache_salt(rope_len))
 
     def _retire(self, req: Request) -> RequestOutput:
         self._requests.pop(req.request_id, None)

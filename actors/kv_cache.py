@@ -76,7 +76,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         size = self.block_size
         for index in range(len(hashes), request.num_tokens // size):
-            parent = hashes[-1] if hashes else None
+            # A salted request's chain starts from its salt (its KV depends on more than tokens).
+            parent = hashes[-1] if hashes else request.cache_salt
             hashes.append(hash_block(parent, request.token_ids[index * size : (index + 1) * size]))
         return hashes
 

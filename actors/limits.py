@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from actors.config import EngineConfig
 from actors.kv_cache import kv_bytes_per_block
 from actors.model_runner import model_geometry
+
+logger = logging.getLogger(__name__)
 
 
 def blocks_from_memory(model: Any, config: EngineConfig) -> int:
@@ -22,8 +25,26 @@ def max_model_len(model: Any, config: EngineConfig, num_blocks: int) -> int:
     does not shorten it: every attention backend attends within each layer's window
     (`actors.attention`), and the cache keeps every block."""
     text = model.config.get_text_config()
-    limit = config.max_model_len or getattr(text, "max_position_embeddings", None) or 2048
+    limit = config.max_model_len or dynamic_rope_context(text)
+    limit = limit or getattr(text, "max_position_embeddings", None) or 2048
     return min(limit, num_blocks * config.block_size)
+
+
+def dynamic_rope_context(text: Any) -> int | None:
+    """A dynamic NTK rope model's context: `factor` x `max_position_embeddings`, the length
+    vLLM derives for it (HF `generate` sets no limit: the scaling grows with the sequence,
+    actors/rope.py); None for other rope types (longrope's context is max_position_embeddings
+    itself). A larger `EngineConfig.max_model_len` is honoured."""
+    params = getattr(text, "rope_parameters", None) or {}
+    if params.get("rope_type") != "dynamic" or not params.get("factor"):
+        return None
+    context = int(float(params["factor"]) * int(text.max_position_embeddings))
+    logger.info(
+        "dynamic NTK rope: context %d tokens (factor x max_position_embeddings, as vLLM; "
+        "EngineConfig.max_model_len sets another)",
+        context,
+    )
+    return context
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:

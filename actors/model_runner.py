@@ -15,12 +15,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from actors import attention
 from actors.config import EngineConfig
 from actors.kv_cache import allocate_kv_tensors
 from actors.request import Request
+from actors.rope import RequestRotary, RopePolicy, rotary_module, token_rope_lens
 from actors.scheduler import SchedulerOutput
 from actors.step_layout import lay_out
 from packing.layout import slot_mapping
@@ -37,6 +39,7 @@ class ModelInput:
     logits_indices: torch.Tensor  # [num_sampling] rows whose logits are needed
     sampling: list[Request]  # the requests those rows belong to, in the same order
     attn: attention.AttentionMetadata
+    rope_lens: torch.Tensor | None = None  # [num_tokens] length-dependent rope only
 
 
 def model_geometry(model: Any) -> tuple[int, int, int]:
@@ -75,6 +78,7 @@ class ModelRunner:
         )
         attention.register()
         model.set_attn_implementation(attention.ATTN_NAME)
+        self.rotary = _request_rotary(model)
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """Lay the step out as one flat sequence (decodes first; `actors.step_layout`)."""
@@ -90,12 +94,19 @@ class ModelRunner:
             self.block_size,
         )
         meta = attention.AttentionMetadata.build(self.attention_backend, batch, slots)
+        rope_lens = None
+        if self.rotary is not None:  # longrope / dynamic: each request's own frequencies
+            lens = np.fromiter((r.rope_len for r in step.requests), np.int64, len(step.requests))
+            rope_lens = torch.from_numpy(
+                token_rope_lens(lens, step.num_new, step.layout.positions)
+            ).to(self.device)
         return ModelInput(
             input_ids=torch.tensor(step.input_ids, dtype=torch.long, device=self.device)[None],
             position_ids=torch.from_numpy(step.layout.positions).to(self.device)[None],
             logits_indices=torch.tensor(step.logits_rows, dtype=torch.long, device=self.device),
             sampling=step.sampling,
             attn=meta,
+            rope_lens=rope_lens,
         )
 
     @torch.inference_mode()
@@ -112,13 +123,19 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: ModelInput) -> torch.Tensor:
         """Run the model; float32 logits `[num_sampling, vocab]`."""
-        out = self.model(
-            input_ids=inputs.input_ids,
-            position_ids=inputs.position_ids,
-            logits_to_keep=inputs.logits_indices,
-            use_cache=False,
-            **{attention.ATTN_KWARG: inputs.attn},
-        )
+        if self.rotary is not None:
+            self.rotary.for_step(inputs.rope_lens)
+        try:
+            out = self.model(
+                input_ids=inputs.input_ids,
+                position_ids=inputs.position_ids,
+                logits_to_keep=inputs.logits_indices,
+                use_cache=False,
+                **{attention.ATTN_KWARG: inputs.attn},
+            )
+        finally:
+            if self.rotary is not None:
+                self.rotary.for_step(None)
         logits: torch.Tensor = out.logits[0].float()
         return logits
 
@@ -147,6 +164,21 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Nothing to release (the model is the caller's)."""
+
+
+def _request_rotary(model: Any) -> RequestRotary | None:
+    """Put a `RequestRotary` in place of the model's rotary embedding when its frequencies
+    depend on the sequence length (actors/rope.py); None (today's path) otherwise."""
+    policy = RopePolicy.of(model)
+    if policy is None:
+        return None
+    decoder = model.get_decoder()
+    current = rotary_module(model)
+    assert current is not None, "RopePolicy.of checks the model has a rotary_emb"
+    if not isinstance(current, RequestRotary):
+        current = RequestRotary(current, policy)
+        decoder.rotary_emb = current
+    return current
 
 
 class StepRunner(Protocol):

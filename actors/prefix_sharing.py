@@ -54,10 +54,13 @@ def plan_groups(
     groups: Sequence[PrefixGroup],
     runnable: Callable[[list[int]], bool],
     new_id: Callable[[], str],
+    cache_salt: Callable[[int], int | None] | None = None,
 ) -> dict[int, SharedPrefixState]:
     """Validate prefix groups and create each one's internal prefix request (its id from
     `new_id`); returns the deepest group of every grouped prompt. `runnable(prompt)` is
-    False for a prompt that will end in an error row instead of running."""
+    False for a prompt that will end in an error row instead of running. `cache_salt(prompt
+    length)` (a length-dependent rope, actors/rope.py): a group shares only when its members'
+    salts agree, since their prefix K/V then differ."""
     deepest = check_groups(token_ids, groups)
     # A group shares only when >= 2 of its members can run (prompts that will end in an
     # error row do not wait for a prefix); the others' rows fall to the nearest one above.
@@ -65,11 +68,15 @@ def plan_groups(
     nearest: list[SharedPrefixState | None] = []  # per group: itself or the sharing one above
     for g, group in enumerate(groups):
         above = nearest[group.parent] if group.parent is not None else None
-        if len(members_that_run[g]) < 2 or group.prefix_len < 1:
+        running = members_that_run[g]
+        salts = {cache_salt(len(token_ids[m])) for m in running} if cache_salt else {None}
+        if len(running) < 2 or group.prefix_len < 1 or len(salts) > 1:
             nearest.append(above)
             continue
         prefix = token_ids[group.members[0]][: group.prefix_len]
         prefix_req = Request(new_id(), prefix, SamplingParams(), is_prefix=True)
+        # Its tokens are its members' prompt tokens: their rope length and salt.
+        prefix_req.rope_len, prefix_req.cache_salt = len(token_ids[running[0]]), salts.pop()
         state = SharedPrefixState(prefix=prefix_req, num_unfinished_members=0, parent=above)
         prefix_req.group = state
         if above is not None:

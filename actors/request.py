@@ -80,6 +80,10 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Length-dependent rope (actors/rope.py): the length of the forward HF computed the
+    # prompt in (the prompt's, 0 until set), and what the KV blocks depend on beyond tokens.
+    rope_len: int = 0
+    cache_salt: int | None = None
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] | None = None
     text: str = ""
@@ -90,6 +94,7 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.rope_len = self.rope_len or self.num_prompt_tokens
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.logprobs is not None:

@@ -242,6 +242,23 @@ class Scheduler:
                 return group.prefix.block_ids[:num_full], num_shared, src
         return cached, num_cached, None
 
+    def restart(self, req: Request, rope_len: int, cache_salt: int | None) -> None:
+        """Recompute a running request from its first token with new rope frequencies
+        (phi3's `generate` does so when a sequence first grows past its original context,
+        actors/rope.py). It leaves its prefix group: the group's blocks hold the old ones."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.rope_len, req.cache_salt, req.block_hashes = rope_len, cache_salt, []
+        group = req.member_of
+        if group is not None:
+            req.group = None
+            group.num_unfinished_members -= 1
+            if group.num_unfinished_members == 0:
+                self._release_prefix(group.prefix)
+        self.waiting.appendleft(req)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)

@@ -83,7 +83,9 @@ class CompiledSteps:
             raise self.executor.closed_error()
         self.executor._step += 1  # one counter with the classic path (fault injection reads it)
         step = self.executor._step
-        plan, sampling = plan_step(sched, self.executor.config.block_size, step, block_offset)
+        plan, sampling = plan_step(
+            sched, self.executor.config.block_size, step, block_offset, self.executor.rope
+        )
         try:
             outputs = self.graph.execute(plan)
         except (ray.exceptions.RayError, RuntimeError) as error:

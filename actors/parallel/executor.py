@@ -66,8 +66,10 @@ class ParallelExecutor:
         dtype: torch.dtype = torch.float32,
         placement_timeout_s: float = 60.0,
         step_timeout_s: float = 300.0,
+        rope: bool = False,
     ) -> None:
         self.config = config
+        self.rope = rope  # the model's rope depends on the length (actors/rope.py)
         self.tp, self.pp = config.tensor_parallel_size, config.pipeline_parallel_size
         self.max_in_flight = self.pp  # one step per stage (and per request set) at once
         self.step_timeout_s = step_timeout_s
@@ -144,7 +146,9 @@ class ParallelExecutor:
         if self._closed:
             raise self.closed_error()
         self._step += 1
-        plan, sampling = plan_step(sched, self.config.block_size, self._step, block_offset)
+        plan, sampling = plan_step(
+            sched, self.config.block_size, self._step, block_offset, self.rope
+        )
         plan_ref = ray.put(plan)  # broadcast once: every worker reads the same object
         hidden: Any = None
         watched: list[tuple[ray.ObjectRef[Any], str]] = []

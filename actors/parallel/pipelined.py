@@ -21,7 +21,11 @@ logger = logging.getLogger(__name__)
 
 
 def start_executor(
-    config: EngineConfig, num_blocks: int, dtype: torch.dtype, compiled_graph: bool | None
+    config: EngineConfig,
+    num_blocks: int,
+    dtype: torch.dtype,
+    compiled_graph: bool | None,
+    rope: bool = False,
 ) -> ParallelExecutor | CompiledSteps:
     """Start the workers; with pp > 1 steps go through a Ray compiled graph over them when
     `compiled_graph` is True, or (None, the default) when every worker is a GPU on the
@@ -31,7 +35,7 @@ def start_executor(
     cores: 30% slower per step with 4-token decode steps, 6% faster with 128-token steps)."""
     if compiled_graph and config.pipeline_parallel_size == 1:
         raise ValueError("compiled_graph needs pipeline_parallel_size > 1")
-    executor = ParallelExecutor(config, num_blocks, dtype)
+    executor = ParallelExecutor(config, num_blocks, dtype, rope=rope)
     if config.pipeline_parallel_size == 1 or compiled_graph is False:
         return executor
     try:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from actors import attention
+from actors.rope import RequestRotary
 
 
 def layer_range(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
@@ -63,13 +64,18 @@ class StageModel(nn.Module):
         hidden: torch.Tensor | None,  # [1, num_tokens, hidden] from the previous stage
         logits_indices: torch.Tensor,  # [num_sampling]
         meta: attention.AttentionMetadata,
+        rope_lens: torch.Tensor | None = None,  # [num_tokens] length-dependent rope only
     ) -> torch.Tensor:
         """Hidden states `[1, num_tokens, hidden]`, or float32 logits `[num_sampling, vocab]`
         on the last stage."""
         if self.embed is not None:
             hidden = self.embed(input_ids)
         assert hidden is not None, "a stage without the embedding needs the previous hidden"
-        cos_sin = self.rotary(hidden, position_ids)
+        if isinstance(self.rotary, RequestRotary):
+            cos_sin = self.rotary.for_step(rope_lens)(hidden, position_ids)
+            self.rotary.for_step(None)
+        else:
+            cos_sin = self.rotary(hidden, position_ids)
         kwargs: dict[str, Any] = {attention.ATTN_KWARG: meta}
         for layer in self.layers:
             hidden = layer(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.request import Request
+from actors.rope import token_rope_lens
 from actors.scheduler import SchedulerOutput
 from actors.step_layout import lay_out
 from packing.layout import slot_mapping
@@ -33,6 +34,7 @@ class StepPlan:
     num_decodes: int  # the first num_decodes requests decode one token each
     logits_indices: np.ndarray  # [num_sampling] rows whose logits are needed
     block_copies: tuple[tuple[int, int], ...]  # (src, dst) blocks to copy before the step
+    rope_lens: np.ndarray | None = None  # [num_tokens] length-dependent rope only (actors/rope.py)
 
     @property
     def num_tokens(self) -> int:
@@ -41,12 +43,17 @@ class StepPlan:
 
 
 def plan_step(
-    sched: SchedulerOutput, block_size: int, step: int, block_offset: int = 0
+    sched: SchedulerOutput, block_size: int, step: int, block_offset: int = 0, rope: bool = False
 ) -> tuple[StepPlan, list[Request]]:
     """The step's plan and the requests that sample, in the order of their logits rows.
 
-    `block_offset` is added to every block id (a virtual engine's slice of the KV tensors)."""
+    `block_offset` is added to every block id (a virtual engine's slice of the KV tensors);
+    `rope`: the model's rope depends on the length, each token's rope length goes along."""
     laid = lay_out(sched)
+    rope_lens = None
+    if rope:
+        lens = np.fromiter((r.rope_len for r in laid.requests), np.int64, len(laid.requests))
+        rope_lens = token_rope_lens(lens, laid.num_new, laid.layout.positions)
     tables = tuple(tuple(b + block_offset for b in r.block_ids) for r in laid.requests)
     plan = StepPlan(
         step=step,
@@ -62,5 +69,6 @@ def plan_step(
         num_decodes=laid.num_decodes,
         logits_indices=np.asarray(laid.logits_rows, dtype=np.int64),
         block_copies=tuple((s + block_offset, d + block_offset) for s, d in sched.block_copies),
+        rope_lens=rope_lens,
     )
     return plan, laid.sampling

@@ -19,6 +19,7 @@ from actors import attention, loader
 from actors.config import EngineConfig
 from actors.parallel.pp import StageModel, layer_range
 from actors.parallel.tp import TPShape, shard_layer, shard_slice, tp_shape
+from actors.rope import RequestRotary, RopePolicy
 
 
 def checkpoint_folder(config: EngineConfig) -> Path:
@@ -82,7 +83,10 @@ def build_stage(
     for module in owned.values():
         module.to_empty(device=device)
     _load(checkpoint_folder(config), owned, shape, dtype, model.config)
-    rotary = type(base.rotary_emb)(config=text).to(device)  # buffers computed, not loaded
+    rotary: nn.Module = type(base.rotary_emb)(config=text).to(device)  # buffers computed
+    policy = RopePolicy.of(model)
+    if policy is not None:  # longrope / dynamic: per request (actors/rope.py)
+        rotary = RequestRotary(rotary, policy)
     result = StageModel(
         layers,
         rotary,

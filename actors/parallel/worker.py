@@ -150,6 +150,7 @@ class StageWorker:
             None if hidden is None else hidden.to(self.device),
             _tensor(plan.logits_indices, self.device),
             meta,
+            None if plan.rope_lens is None else _tensor(plan.rope_lens, self.device),
         )
         self.busy.append((plan.step, start, time.monotonic()))
         self.busy_cpu.append((plan.step, time.thread_time() - cpu))
