@@ -263,7 +263,12 @@ def _seconds_or_none(text: str) -> float | None:
     """A number of seconds, or None for 'none' (no limit)."""
     if text.strip().lower() == "none":
         return None
-    return float(text)
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds (a number) or 'none', got {text!r}"
+        ) from None
 
 
 def _truth(key: object, value: object) -> bool:

@@ -15,7 +15,7 @@ import pytest
 from actors.config import EngineConfig, SamplingParams
 from packing.admission import AdmissionConfig
 from pipeline.serve.app import create_api
-from pipeline.serve.cli import add_limit_arguments
+from pipeline.serve.cli import add_limit_arguments, serve_config_from_app_args
 from pipeline.serve.config import DEFAULT_MAX_QUEUE_WAIT_S, ServeConfig
 from pipeline.serve.errors import APIError
 from pipeline.serve.service import OpenAIService
@@ -162,6 +162,8 @@ def test_the_default_deadline_sheds_with_the_documented_429() -> None:
     assert parser.parse_args([]).max_queue_wait == DEFAULT_MAX_QUEUE_WAIT_S
     assert parser.parse_args(["--max-queue-wait", "none"]).max_queue_wait is None
     assert parser.parse_args(["--max-queue-wait", "5"]).max_queue_wait == 5.0
+    with pytest.raises(ValueError, match="--max-queue-wait: expected seconds .* got 'soon'"):
+        serve_config_from_app_args({"max_queue_wait": "soon"})
     tokenizer = tiny_tokenizer("bos")
 
     async def main() -> None:
