@@ -195,6 +195,13 @@ class SamplingParams:
         rep = self.repetition_penalty
         if not _is_real(rep) or not math.isfinite(rep) or rep <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
+        if not MIN_REPETITION_PENALTY <= rep <= MAX_REPETITION_PENALTY:
+            # 1e-300 is 0 in float32, and logits divided by it were infinite: garbage text
+            raise ValueError(
+                f"repetition_penalty must be > 0 and, with its reciprocal, a normal float32 "
+                f"(the sampler's dtype): between {MIN_REPETITION_PENALTY:.3g} and "
+                f"{MAX_REPETITION_PENALTY:.3g}, got {rep!r}"
+            )
         _float_in("min_p", self.min_p, 0.0, 1.0)
         object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
 
@@ -219,6 +226,13 @@ MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 MAX_TEMPERATURE = 1e4
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
+# The sampler works on float32 logits (the model runner casts them). repetition_penalty
+# divides and multiplies them, so it and its reciprocal must be normal float32 numbers: 2**-126
+# (float32's smallest normal) to 2**126. The other floats are bounded well inside float32, and
+# one that rounds to 0 there (a presence penalty of 1e-300, a min_p of 1e-300) means what 0
+# means within float32's resolution; temperature and top_p below SAMPLING_EPS are greedy.
+MIN_REPETITION_PENALTY = 2.0**-126
+MAX_REPETITION_PENALTY = 2.0**126
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]

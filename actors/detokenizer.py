@@ -4,10 +4,16 @@ Decoding the whole output each step costs O(n) per token; instead (vLLM's method
 short window before and after the newest tokens and append the difference. A window ending in
 U+FFFD is an incomplete UTF-8 character and waits for the next token. A few prompt tokens
 lead the window so that the first output token keeps its leading space.
+
+`StreamCursor` says what of a request's text a stream may send before the request ends: all
+but the characters that could still become the start of a stop string, which the engine cuts
+once it completes (vLLM's stop buffer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from actors.request import Request
@@ -62,3 +68,33 @@ class Detokenizer:
             return False
         request.text = text[:best]
         return True
+
+
+@dataclass
+class StreamCursor:
+    """What of a request's growing text a stream may send now, so that the pieces sent add up
+    to exactly the finished text (the text an unstreamed answer carries).
+
+    The engine only appends to a request's text, and cuts it at a stop string once one is
+    complete (`Detokenizer.find_stop`). A stop string completed later ends in characters that
+    are not there yet, so it starts within the last `hold` = (longest stop string - 1)
+    characters of the text now: everything before them is final. `sent` never moves back, also
+    while the text is shorter than `hold`.
+    """
+
+    hold: int
+    sent: int = 0  # characters of the text already released
+
+    @classmethod
+    def for_stops(cls, stops: Sequence[str]) -> StreamCursor:
+        """A cursor holding back what the stop strings `stops` could still cut."""
+        return cls(hold=max((len(s) for s in stops), default=1) - 1)
+
+    def release(self, text: str, finished: bool) -> str:
+        """The new piece of `text` (the request's whole text so far) that is final now: all of
+        the rest when `finished`; '' when nothing new is."""
+        end = len(text) if finished else max(self.sent, len(text) - self.hold)
+        assert end >= self.sent, f"a stop cut text already sent ({end} < {self.sent})"
+        piece = text[self.sent : end]
+        self.sent = end
+        return piece

@@ -50,6 +50,11 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=sub.dtype)
         penalty = torch.where(seen, rep[:, None], torch.ones((), dtype=sub.dtype))
         sub = torch.where(sub > 0, sub / penalty, sub * penalty)
+        # A penalty far from 1 (accepted up to float32's normal range, actors/config.py) can
+        # push a logit past the dtype's range: saturate instead, so no row holds an infinity
+        # (several +inf tie for the argmax; softmax of them is NaN).
+        limit = torch.finfo(sub.dtype).max
+        sub = sub.clamp(-limit, limit)
     freq = torch.tensor([p.frequency_penalty for p in params], dtype=sub.dtype)
     pres = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype)
     sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(sub.dtype)

@@ -263,6 +263,9 @@ def run_live(
             served_model_name="bench",
             max_waiting=1024,
             max_ongoing_requests=2048,
+            # every request served, as measured before the 30 s default deadline: a shed
+            # request would leave the policies' TTFT distributions
+            max_queue_wait_s=None,
             api_keys_env=None,
         )
         serve.run(build_app(config), name="bench", route_prefix="/")

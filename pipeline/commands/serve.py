@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import threading
 
 from pipeline.cli import HelpFormatter
 from pipeline.serve.cli import add_app_arguments, serve_config_from_args
+from pipeline.serve.proxy_headers import use_in_proxy
 
 logger = logging.getLogger("raypack.serve")
 
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from pipeline.serve.app import build_app
 
     port = args.port or free_port(args.host)
+    # Serve's proxy answers a non-UTF-8 X-Request-ID with a text/plain 500 before the app
+    # sees it; a local Ray's proxy inherits this variable and drops such a header instead.
+    use_in_proxy(os.environ)
     ray.init(address=args.address, num_cpus=args.ray_num_cpus, include_dashboard=False)
     interrupt_on_signals()
     try:  # an interrupt while starting stops as cleanly as one while serving

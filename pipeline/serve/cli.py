@@ -82,9 +82,10 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-waiting", type=int, default=d.max_waiting, help="staging capacity")
     group.add_argument(
         "--max-queue-wait",
-        type=float,
+        type=_seconds_or_none,
         default=d.max_queue_wait_s,
-        help="seconds a request may wait for the engine before a 429 (default: no limit)",
+        help="seconds a request may wait for the engine before a 429, or 'none' for no limit "
+        f"(default: {d.max_queue_wait_s:g})",
     )
     group.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="body limit")
     group.add_argument(
@@ -256,6 +257,18 @@ def serve_config_from_app_args(app_args: Mapping[str, object]) -> ServeConfig:
         else:
             argv.append(f"--{name}={value}")  # one token: a value may start with '-'
     return serve_config_from_args(parser.parse_args(argv))
+
+
+def _seconds_or_none(text: str) -> float | None:
+    """A number of seconds, or None for 'none' (no limit)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds (a number) or 'none', got {text!r}"
+        ) from None
 
 
 def _truth(key: object, value: object) -> bool:

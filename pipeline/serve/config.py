@@ -13,6 +13,9 @@ from pipeline.serve.replicas import Replicas
 API_KEYS_ENV = "RAYPACK_API_KEYS"
 
 
+DEFAULT_MAX_QUEUE_WAIT_S = 30.0  # ServeConfig.max_queue_wait_s (why: there)
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """What each replica serves and how it protects itself, and how many replicas serve.
@@ -29,8 +32,13 @@ class ServeConfig:
     # Seconds a request may wait in the staging queue for the engine; one still waiting then
     # is answered 429 with Retry-After (shed, as Triton's queue policy rejects on timeout), so
     # an overloaded replica answers every request within about this plus its run time.
-    # None: requests wait as long as it takes (vLLM's behaviour).
-    max_queue_wait_s: float | None = None
+    # None: requests wait as long as it takes (vLLM's and Serve's behaviour). The default,
+    # 30 s, is under the 60 s idle timeout of common proxies and load balancers (nginx's
+    # proxy_read_timeout, AWS ALB), so an interactive client hears a 429 before its proxy
+    # gives up, and far under the openai SDK's 600 s; a batch client retries the 429 (the SDK
+    # does, honouring Retry-After) and loses no throughput: the engine stays full. Without a
+    # default, 300 requests of 2,048 tokens kept neighbours waiting over 120 s (issue 31).
+    max_queue_wait_s: float | None = DEFAULT_MAX_QUEUE_WAIT_S
     # Largest request body accepted, in bytes (413 beyond).
     max_body_bytes: int = 1 << 20
     # Prompt tokens at most; None: the model's context length minus one.

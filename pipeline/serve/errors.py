@@ -10,7 +10,7 @@ import math
 
 from pydantic import ValidationError
 
-from pipeline.serve.protocol import ErrorDetail, ErrorResponse
+from pipeline.serve.protocol import UNSUPPORTED_PART, ErrorDetail, ErrorResponse
 
 # Parts of a pydantic error location that name a union member, not a field.
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after"})
@@ -91,6 +91,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
         return bad_request(
             f"unknown field '{param}': this server does not support it", param, "unknown_field"
         )
+    if first["type"] == UNSUPPORTED_PART:
+        return bad_request(first["msg"], param, "unsupported_value")
     if first["type"] == "missing":
         return bad_request(f"'{param}' is a required field", param, "missing_field")
     if first["type"] == "model_type" and not param:

@@ -9,14 +9,38 @@ infinities are refused, seeds fit 64 bits and top_k 32 bits.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from actors.config import MAX_INT32, MAX_LOGPROBS, MAX_SEED, MIN_SEED
 
 FinishReason = Literal["stop", "length"]
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# The pydantic error type of a content part this server cannot read (errors.py: a 400 with
+# code unsupported_value), and what OpenAI's and vLLM's non-text part types carry.
+UNSUPPORTED_PART = "unsupported_content_part"
+_PART_KINDS = {
+    "image_url": "images are",
+    "input_image": "images are",
+    "image_embeds": "images are",
+    "input_audio": "audio is",
+    "audio_url": "audio is",
+    "video_url": "video is",
+    "file": "files are",
+}
+
+
+def json_value(body: bytes) -> Any:
+    """The JSON value of a request body, parsed as the request models parse it (pydantic's
+    parser, with its nesting limit of 200); None when it is not JSON, also when it nests deeper
+    (Python's `json.loads` raises RecursionError there, a 500, where the models' 400 belongs)."""
+    try:
+        return pydantic_core.from_json(body)
+    except ValueError:
+        return None
 
 
 class _Request(BaseModel):
@@ -158,6 +182,26 @@ class ChatMessage(_Request):
     )
     content: str | list[TextPart] = Field(description="The message text, or its text parts.")
     name: str | None = Field(default=None, description="An optional participant name; ignored.")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """A part of another type (an image, audio...) is refused by name, before the union's
+        own message ("Input should be a valid string") says nothing of why."""
+        if not isinstance(content, list):
+            return content
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                what = _PART_KINDS.get(kind, "content parts of type '{kind}' are")
+                raise PydanticCustomError(
+                    UNSUPPORTED_PART,
+                    what + " not supported: this server's model reads text only; send the "
+                    "content as a string or as parts of type 'text' (got a part of type "
+                    "'{kind}')",
+                    {"kind": kind[:40]},
+                )
+        return content
 
     def text(self) -> str:
         """The content as one string."""

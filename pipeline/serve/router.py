@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
 from packing.keys import block_hashes
+from pipeline.serve.protocol import json_value
 
 CHUNK_CHARS = 256  # characters per routing chunk (~ 4 KV blocks of 16 tokens of English)
 MAX_CHUNKS = 512  # prefixes are keyed up to this many chunks (128 KiB of text)
@@ -48,10 +48,7 @@ def routing_text(body: bytes) -> str:
     """The text a request's prompt starts with: a completion's prompt (the first of a list),
     or a chat's messages as `role\\ncontent\\n`; '' when the body is not such a request (the
     replica answers it as it would anyway)."""
-    try:
-        request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return ""
+    request = json_value(body)  # as the replica parses it (json.loads recurses without bound)
     if not isinstance(request, dict):
         return ""
     prompt = request.get("prompt")

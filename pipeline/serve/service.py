@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from actors.config import SamplingParams, logit_bias_pairs
+from actors.detokenizer import StreamCursor
 from actors.outputs import RequestOutput
 from actors.tokenization import ChatTemplateError, encode_chat, encode_text
 from pipeline.serve.config import ServeConfig
@@ -160,10 +161,9 @@ class OpenAIService:
     async def events(self, prepared: Prepared, stream: RequestStream) -> AsyncIterator[str]:
         """Server-sent events, one per new piece of text, ending with `data: [DONE]`."""
         header = prepared.header
-        # The engine cuts a stop string from the text once it is complete; until then hold
-        # back as many characters as could be its start, so they are never sent (vLLM does too).
-        hold = max((len(s) for s in prepared.params.stop), default=1) - 1
-        sent = 0
+        # The engine cuts a stop string from the text once it is complete: the cursor holds
+        # back what could still be one's start, so the pieces sent are the unstreamed text.
+        cursor = StreamCursor.for_stops(prepared.params.stop)
         sent_logprobs = 0  # logprobs entries already sent, and the text_offset after them
         offset = 0
         final: RequestOutput | None = None
@@ -173,9 +173,7 @@ class OpenAIService:
             async for output in stream:
                 final = output
                 reason = finish_reason(output, header.request_id) if output.finished else None
-                end = len(output.text) if output.finished else len(output.text) - hold
-                delta = output.text[sent:end]
-                sent = max(sent, end)
+                delta = cursor.release(output.text, output.finished)
                 if delta or reason is not None:
                     # The logprobs of the tokens since the last chunk (held-back text or not).
                     entries = (output.logprobs or ())[sent_logprobs:]

@@ -15,14 +15,13 @@ writes its own; true adds the tokenizer's on top). actors/tokenization.py does t
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
 from actors.tokenization import ChatTemplateError, encode_chat, encode_text
 from pipeline.serve.errors import APIError, bad_request, from_validation_error
-from pipeline.serve.protocol import ChatMessage, ModelCard, _Request
+from pipeline.serve.protocol import ChatMessage, ModelCard, _Request, json_value
 
 
 class TokenizeCompletionRequest(_Request):
@@ -145,10 +144,7 @@ def _check_model(name: str | None, served: str) -> None:
 
 def _has_field(body: bytes, name: str) -> bool:
     """Whether the body is a JSON object with `name` (chooses the tokenize request's shape)."""
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return False
+    parsed = json_value(body)  # not json.loads: it raises RecursionError on deep nesting
     return isinstance(parsed, dict) and name in parsed
 
 

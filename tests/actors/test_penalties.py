@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from actors import SamplingParams
+from actors.penalties import apply_penalties
 from actors.request import Request
 from actors.sampler import Sampler
 from tests.sampling_cases import penalised_greedy
@@ -122,6 +123,31 @@ def test_repetition_penalty_multiplies_negative_logits_as_hf() -> None:
             assert sampler(logits.clone(), [req]).token_ids == [int(expected)]
             differs += int(expected) != int(logits.argmax())
     assert differs > 20  # the penalty really moved the choice
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-40, 2.0**-127, 2.0**127, 1e39, 1e300])
+def test_a_repetition_penalty_float32_cannot_hold_is_refused(penalty: float) -> None:
+    """1e-300 is 0 in float32 and gave infinite logits (issue 31): a penalty or reciprocal
+    outside float32's normal range is a ValueError naming the field (Serve's 400, the job's
+    error row)."""
+    with pytest.raises(ValueError, match="repetition_penalty .*float32"):
+        SamplingParams(repetition_penalty=penalty)
+
+
+@pytest.mark.parametrize("penalty", [2.0**-126, 1e-30, 2.0**126])
+def test_an_extreme_accepted_penalty_saturates_instead_of_overflowing(penalty: float) -> None:
+    """At the ends of the accepted range a seen logit's quotient or product leaves float32: it
+    saturates at the largest float, so the row holds no infinity and sampling draws from it."""
+    sampler = Sampler(eos_token_ids=[])
+    logits = torch.tensor([[3.0, 50.0, -40.0, 1.0]])
+    seen = [1, 2]  # 50 / penalty and -40 * penalty overflow at one end or the other
+    req = Request("r", seen, SamplingParams(repetition_penalty=penalty))
+    adjusted = apply_penalties(logits.clone(), [req])
+    assert bool(torch.isfinite(adjusted).all()), adjusted
+    expected = 1 if penalty < 1 else 0  # below 1 the seen best gains; above, it loses to 3.0
+    assert sampler(logits.clone(), [req]).token_ids == [expected]
+    sampled = Request("s", seen, SamplingParams(repetition_penalty=penalty, temperature=1.0))
+    assert 0 <= sampler(logits.clone(), [sampled]).token_ids[0] < 4
 
 
 @pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])

@@ -45,6 +45,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 ROOT = Path(__file__).parents[2]
 PROMPT = "Once upon a time"
 N = 12
+BAD_PENALTIES = (1e-300, 1e300)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,8 @@ def cases(reference) -> dict[str, tuple[str, dict]]:  # noqa: ANN001
             PROMPT,
             {"logit_bias": {"42": 5.0}, "frequency_penalty": 2.0, "ignore_eos": True},
         ),
+        # 0 and inf in float32: the sampler's logits were infinite, the text garbage (issue 31)
+        **{f"rep-{value:g}": (PROMPT, {"repetition_penalty": value}) for value in BAD_PENALTIES},
     }
 
 
@@ -109,8 +112,16 @@ def _config(table: Path, model: Path, output: Path, max_tokens: int = N) -> JobC
 @pytest.fixture(scope="module")
 def job_output(job_folder, cases) -> dict[str, dict]:  # noqa: ANN001
     out = read_output(job_folder)
-    assert set(out) == set(cases) and all(r["error"] is None for r in out.values())
+    assert set(out) == set(cases)
+    assert all(r["error"] is None for key, r in out.items() if not key.startswith("rep-"))
     return out
+
+
+def test_a_penalty_float32_cannot_hold_is_an_error_row(job_output) -> None:  # noqa: ANN001
+    for value in BAD_PENALTIES:
+        row = job_output[f"rep-{value:g}"]
+        assert row["error"] is not None and "repetition_penalty" in row["error"], row
+        assert "float32" in row["error"] and not row["generated_token_ids"], row
 
 
 def test_temperature_seed_top_k_top_p(job_output, reference) -> None:  # noqa: ANN001
@@ -237,7 +248,8 @@ def test_rerun_with_another_lineage_exits_2_untouched_and_overwrite_starts_over(
     assert (out / "theirs.txt").read_text() == "the user's own file"  # foreign: stays
     (out / "theirs.txt").unlink()  # (pyarrow would read it as data)
     rows, earlier = read_output(out), read_output(job_folder)
-    assert set(rows) == set(earlier) and all(r["error"] is None for r in rows.values())
+    assert set(rows) == set(earlier)
+    assert all((r["error"] is None) == (not key.startswith("rep-")) for key, r in rows.items())
     greedy = earlier["greedy"]["generated_token_ids"]
     assert rows["greedy"]["generated_token_ids"] == greedy[:2]  # regenerated: 2 tokens now
     assert not old & {p.name for p in out.glob("*.parquet")}  # the earlier files are gone

@@ -14,6 +14,7 @@ prefix-routing front, deployed once for the tests of replicas, routing and metri
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import tempfile
@@ -29,6 +30,7 @@ import requests
 from actors.config import EngineConfig
 from packing.admission import AdmissionConfig
 from pipeline.serve.config import ServeConfig
+from pipeline.serve.proxy_headers import PROXY_CALLBACK_VARIABLE, use_in_proxy
 from tests.tiny_models import save_tiny_model
 
 logger = logging.getLogger(__name__)
@@ -113,6 +115,9 @@ def serve_instance() -> Iterator[ServeInstance]:
     # A short path: Ray's unix sockets live under it.
     temp_dir = tempfile.mkdtemp(prefix="rps", dir="/tmp")
     port, metrics_port = free_port(), free_port()
+    # As `raypack serve` starts its Ray: Serve's proxy with our header filter (a non-ASCII
+    # X-Request-ID was its text/plain 500; pipeline/serve/proxy_headers.py).
+    set_here = use_in_proxy(os.environ)
     ray.init(
         num_cpus=2,
         _temp_dir=temp_dir,
@@ -129,6 +134,8 @@ def serve_instance() -> Iterator[ServeInstance]:
         finally:
             ray.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
+            if set_here:
+                os.environ.pop(PROXY_CALLBACK_VARIABLE, None)
 
 
 @pytest.fixture(scope="session")

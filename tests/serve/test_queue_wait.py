@@ -4,16 +4,20 @@ scripted engine (no Ray, no torch), and the FastAPI app over it (the 429's body 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 
 from actors.config import EngineConfig, SamplingParams
 from packing.admission import AdmissionConfig
 from pipeline.serve.app import create_api
-from pipeline.serve.config import ServeConfig
+from pipeline.serve.cli import add_limit_arguments, serve_config_from_app_args
+from pipeline.serve.config import DEFAULT_MAX_QUEUE_WAIT_S, ServeConfig
+from pipeline.serve.errors import APIError
 from pipeline.serve.service import OpenAIService
 from pipeline.serve.staging import EngineLoop, QueueTimeoutError
 from tests.serve.test_staging import FakeEngine, collect, run, until
@@ -138,6 +142,50 @@ def test_a_shed_request_is_a_429_with_retry_after() -> None:
         assert answer["error"]["code"] == "rate_limit_exceeded"
         assert "waited" in answer["error"]["message"], answer
         assert (await first)[0] == 200
+        await loop.stop()
+
+    run(main())
+
+
+def test_the_default_deadline_sheds_with_the_documented_429() -> None:
+    """By default (issue 31: none was set, and under 300 requests of max_tokens 2048 neighbours
+    waited over 120 s) a request still out of the engine `DEFAULT_MAX_QUEUE_WAIT_S` after it
+    reached the replica is answered 429 `rate_limit_exceeded` with Retry-After; 'none' on the
+    command line lifts it. The request's arrival is stamped that long ago (as the gate stamps
+    it) rather than waited for."""
+    config = ServeConfig(
+        engine=EngineConfig(model="tiny"), served_model_name="tiny", api_keys_env=None
+    )
+    assert config.max_queue_wait_s == DEFAULT_MAX_QUEUE_WAIT_S == 30.0
+    parser = argparse.ArgumentParser()
+    add_limit_arguments(parser)
+    assert parser.parse_args([]).max_queue_wait == DEFAULT_MAX_QUEUE_WAIT_S
+    assert parser.parse_args(["--max-queue-wait", "none"]).max_queue_wait is None
+    assert parser.parse_args(["--max-queue-wait", "5"]).max_queue_wait == 5.0
+    with pytest.raises(ValueError, match="--max-queue-wait: expected seconds .* got 'soon'"):
+        serve_config_from_app_args({"max_queue_wait": "soon"})
+    tokenizer = tiny_tokenizer("bos")
+
+    async def main() -> None:
+        gate = threading.Event()
+        engine, loop = held_loop(gate, wait_s=config.max_queue_wait_s)
+        loop.start()
+        service = OpenAIService(config, loop, tokenizer, 512, len(tokenizer))
+        body = json.dumps({"model": "tiny", "prompt": "hello there", "max_tokens": 2}).encode()
+        first = service.prepare_completion(body)
+        running = service.submit(first)
+        await until(lambda: engine.steps == 1, "the first request's step")
+        late = service.prepare_completion(body)
+        stale = time.monotonic() - DEFAULT_MAX_QUEUE_WAIT_S - 1  # reached the replica 31 s ago
+        answer = asyncio.create_task(service.respond(late, service.submit(late, stale)))
+        gate.set()  # the loop sheds between two steps
+        with pytest.raises(APIError) as info:
+            await answer
+        error = info.value
+        assert error.status == 429 and error.headers == {"Retry-After": "1"}
+        assert error.body()["error"]["code"] == "rate_limit_exceeded"
+        assert "max_queue_wait_s 30" in error.body()["error"]["message"]
+        assert (await service.respond(first, running)).choices[0].finish_reason == "length"
         await loop.stop()
 
     run(main())
