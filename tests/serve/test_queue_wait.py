@@ -154,7 +154,9 @@ def test_the_default_deadline_sheds_with_the_documented_429() -> None:
     command line lifts it. The request's arrival is stamped that long ago (as the gate stamps
     it) rather than waited for."""
     config = ServeConfig(
-        engine=EngineConfig(model="tiny"), served_model_name="tiny", api_keys_env=None
+        engine=EngineConfig(dtype="float32", model="tiny"),
+        served_model_name="tiny",
+        api_keys_env=None,
     )
     assert config.max_queue_wait_s == DEFAULT_MAX_QUEUE_WAIT_S == 30.0
     parser = argparse.ArgumentParser()
