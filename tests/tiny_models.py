@@ -9,6 +9,7 @@ and sees the greedy output change on every prompt the token-comparing tests use.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -68,9 +69,14 @@ def tiny_model(arch: str = "llama", seed: int = 0, num_layers: int = 2, **vocab:
     logits by about 0.5: token comparisons then test the attention and KV paths.
     """
     torch.manual_seed(seed)
-    config = tiny_config(arch, num_layers, **vocab)
+    return model_from_config(tiny_config(arch, num_layers, **vocab))
+
+
+def model_from_config(config: Any, attn_implementation: str = "sdpa") -> Any:
+    """A random float32 model of `config` in eval mode, with `tiny_model`'s spread init (the
+    same weights for the same torch seed beforehand)."""
     model = AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="sdpa"
+        config, dtype=torch.float32, attn_implementation=attn_implementation
     )
     # Random init gives near-uniform logits and many argmax ties; a wider embedding spread
     # makes greedy choices well separated so token comparisons are meaningful.

@@ -7,9 +7,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
-from tests.tiny_models import LAYER_STD
+from tests.tiny_models import model_from_config
 
 VOCAB = 512
 HEAD_DIM = 16
@@ -66,17 +66,9 @@ def rope_model(kind: str, rope: str | None = None):
             head_dim=HEAD_DIM,
             **common,
         )
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    with torch.no_grad():
-        model.get_input_embeddings().weight.normal_(0, 1.0)
-        generator = torch.Generator().manual_seed(1)
-        for param in model.model.layers.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, LAYER_STD, generator=generator)
+    model = model_from_config(config)
     model.generation_config.eos_token_id = None
-    return model.eval()
+    return model
 
 
 def prompts(lengths: list[int], shared: int = 0, seed: int = 3) -> list[list[int]]:

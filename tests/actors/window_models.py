@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from packing.prefix import PrefixGroup
 from tests.actors.groups import SYSTEM, TRANSLATE, common_prefix_len
 from tests.actors.reference import sample_prompts
-from tests.tiny_models import LAYER_STD, VOCAB
+from tests.tiny_models import VOCAB, model_from_config
 
 WINDOW = 32
 NO_WINDOW = 4096  # a window longer than any prompt here: as none (Gemma needs one)
@@ -120,14 +120,7 @@ def window_model(name: str, windowed: bool = True, dtype: torch.dtype = torch.fl
     torch.manual_seed(0)
     config = window_config(name, windowed)
     impl = "eager" if config.model_type == "gemma2" else "sdpa"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=impl)
-    with torch.no_grad():
-        model.get_input_embeddings().weight.normal_(0, 1.0)
-        generator = torch.Generator().manual_seed(1)
-        for param in model.model.layers.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, LAYER_STD, generator=generator)
-    return model.to(dtype).eval()
+    return model_from_config(config, attn_implementation=impl).to(dtype)
 
 
 def long_prompt_ids(tokenizer: Any) -> list[list[int]]:
