@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from actors import limits, loader
+from actors import architectures, limits, loader
 from actors.config import EngineConfig, SamplingParams
 from actors.detokenizer import Detokenizer
 from actors.model_runner import ModelRunner, StepRunner
@@ -77,6 +77,8 @@ class LLMEngine:
             model = model.to(dtype)
         elif model is None:
             model = loader.load_model(config.model, dtype, device, config.trust_remote_code)
+        # Any model, given or loaded: one that would run wrong is refused (UnsupportedModelError).
+        architectures.check_model(model)
         if tokenizer is None:
             tokenizer = loader.load_tokenizer(config.model, config.trust_remote_code)
         self.tokenizer = tokenizer

