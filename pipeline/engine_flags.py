@@ -43,7 +43,9 @@ def add_engine_flags(
     g.add_argument(
         "--model",
         default=d.model,
-        help="'smollm2' (embedded), a local HF folder or a .gguf file, or one at a URI (s3://...)",
+        help="'smollm2' (embedded), a local HF folder or a .gguf file, one at a URI (s3://...), "
+        "or a hub id org/name[@revision] (downloaded once into the HF cache; HF_HUB_OFFLINE=1: "
+        "the cache only)",
     )
     g.add_argument(
         "--dtype",
