@@ -63,10 +63,12 @@ class UnsupportedModelError(ValueError):
 @dataclass(frozen=True)
 class RefusedFeature:
     """A config feature no attention backend implements: `applies(config)` on the model's
-    top-level config, and the reason given to the user."""
+    top-level config (`when` says it in words, for docs/models.md), and the reason given to
+    the user."""
 
     name: str
     applies: Callable[[Any], bool]
+    when: str
     reason: str
 
 
@@ -150,63 +152,76 @@ REFUSED_FEATURES: tuple[RefusedFeature, ...] = (
     RefusedFeature(
         "sliding_window",
         _window_matters,
+        "`sliding_window` on some layer (`layer_types`, `use_sliding_window`) below "
+        "`max_position_embeddings`",
         "a layer attends through a sliding window shorter than the context, and no attention "
         "backend applies a window yet",
     ),
     RefusedFeature(
         "attn_logit_softcapping",
         lambda c: getattr(_text(c), "attn_logit_softcapping", None) is not None,
+        "`attn_logit_softcapping` is set (Gemma 2 by default)",
         "attention logit softcapping (tanh on the scores) is not applied by any attention "
         "backend yet",
     ),
     RefusedFeature(
         "query_pre_attn_scalar",
         _scalar_differs,
+        "`query_pre_attn_scalar` differs from `head_dim`",
         "query_pre_attn_scalar differs from head_dim, and the attention backends scale by head_dim",
     ),
     RefusedFeature(
         "rope_type longrope",
         lambda c: any(kind in ("longrope", "su") for kind in _rope_types(c)),
+        "a rope type `longrope` (Phi-3 128k, Phi-4-mini)",
         "longrope picks its rope factors from the sequence length, and the engine computes "
         "rope for a packed step at once, not per request",
     ),
     RefusedFeature(
         "rope_type dynamic",
         lambda c: any("dynamic" in kind for kind in _rope_types(c)),
+        "a rope type `dynamic` (dynamic NTK)",
         "dynamic NTK rope rescales with the sequence length, and the engine computes rope "
         "for a packed step at once, not per request",
     ),
     RefusedFeature(
         "alibi",
         _alibi,
+        "`alibi`, `attn_config.alibi` or `position_embedding_type=alibi`",
         "ALiBi position biases are not applied by any attention backend",
     ),
     RefusedFeature(
         "cross-attention",
         _cross_attention,
+        "`is_encoder_decoder`, `add_cross_attention` or `cross_attention_layers` (mllama)",
         "encoder-decoder and cross-attention layers need an encoder's states; the engine runs "
         "decoder-only models",
     ),
     RefusedFeature(
         "multimodal",
         _multimodal,
+        "a `vision_config` or `audio_config` (gemma3, llava, qwen2_vl...)",
         "a vision or audio model: the engine takes text prompts only and the text-only path "
         "of such a class is not tested (use its text-only checkpoint, e.g. gemma3_text)",
     ),
     RefusedFeature(
         "non-attention layers",
         _other_layers,
+        "`layer_types` beyond full and sliding attention (jamba, qwen3_next, granitemoehybrid, "
+        "llama4's chunked attention)",
         "linear-attention, state-space or chunked-attention layers keep a state the paged "
         "KV cache does not hold",
     ),
     RefusedFeature(
         "multi-head latent attention",
         lambda c: getattr(_text(c), "kv_lora_rank", None) is not None,
+        "`kv_lora_rank` is set (deepseek_v2/v3)",
         "MLA (kv_lora_rank) caches a compressed latent, not per-head K/V",
     ),
     RefusedFeature(
         "attention sinks",
         lambda c: getattr(c, "model_type", None) == "gpt_oss",
+        "model type `gpt_oss`",
         "learned attention sinks (gpt_oss) add a per-head term to the softmax no attention "
         "backend applies",
     ),
