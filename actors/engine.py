@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from actors import architectures, limits, loader
+from actors import architectures, generation_defaults, limits, loader
 from actors.config import EngineConfig, SamplingParams
 from actors.detokenizer import Detokenizer
 from actors.model_runner import ModelRunner, StepRunner
@@ -110,6 +110,22 @@ class LLMEngine:
         self._next_set = 0
         self._last_step_end = 0.0
         self.sampler = Sampler(limits.eos_token_ids(model, tokenizer), seed=config.seed)
+        # The model's own sampling defaults (actors/generation_defaults.py), for callers that
+        # build requests field by field (Serve's unset fields).
+        self.sampling_defaults = generation_defaults.sampling_defaults(
+            getattr(model, "generation_config", None), config.generation_config
+        )
+        # a request without params gets them, as vLLM's LLM.generate without sampling_params
+        try:
+            self.default_params = SamplingParams(**self.sampling_defaults)
+        except ValueError as exc:
+            raise ValueError(
+                f"{config.model}'s generation_config.json: {exc} (--generation-config vllm "
+                "ignores it)"
+            ) from exc
+        generation_defaults.log_choice(
+            config.model, config.generation_config, self.sampling_defaults
+        )
         self.detokenizer = Detokenizer(tokenizer)
         self._requests: dict[str, Request] = {}  # unfinished user requests
         self._pending: list[RequestOutput] = []  # finished outside a step (errors, aborts)
@@ -268,7 +284,7 @@ class LLMEngine:
         prompt starts from the deepest group that holds it.
         """
         if params is None or isinstance(params, SamplingParams):
-            per_prompt = [params or SamplingParams()] * len(prompts)
+            per_prompt = [params or self.default_params] * len(prompts)
         else:
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
@@ -345,7 +361,7 @@ class LLMEngine:
         ids: list[int] = []
         try:
             ids = self._tokenize(prompt)
-            req = Request(request_id, ids, params or SamplingParams(), group=group)
+            req = Request(request_id, ids, params or self.default_params, group=group)
             self.detokenizer.start(req)
         except Exception as exc:  # noqa: BLE001 (this request's fault; the engine goes on)
             logger.exception("request %s could not be admitted", request_id)

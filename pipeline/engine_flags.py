@@ -29,6 +29,7 @@ _FIELDS = (
     "pipeline_parallel_size",
     "placement_strategy",
     "worker_num_cpus",
+    "generation_config",
 )
 
 
@@ -53,6 +54,14 @@ def add_engine_flags(
         help="weights' and KV cache's type (default: float32 on CPU, bfloat16 on GPU)",
     )
     g.add_argument("--max-model-len", type=int, help="context length cap (default: the model's)")
+    g.add_argument(
+        "--generation-config",
+        choices=["auto", "vllm"],
+        default=d.generation_config,
+        help="auto: the model's generation_config.json sampling values (temperature, top_p, "
+        "top_k, min_p, repetition_penalty) are the defaults of requests that set none, as "
+        "vLLM's; vllm: ignore them",
+    )
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
