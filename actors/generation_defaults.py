@@ -35,6 +35,24 @@ def sampling_defaults(generation_config: Any, mode: GenerationConfigMode) -> dic
     return {name: diff[name] for name in SAMPLING_FIELDS if diff.get(name) is not None}
 
 
+def folder_defaults(model: str, mode: GenerationConfigMode) -> dict[str, Any]:
+    """`sampling_defaults` of `model` (a name `actors.loader.resolve` takes) read from its
+    folder's generation_config.json without loading the model (the job's driver, before Ray);
+    {} for a model without one (a GGUF file)."""
+    if mode == "vllm":
+        return {}
+    from transformers import GenerationConfig
+
+    from actors.loader import EMBEDDED_NAME, ensure_embedded_converted, resolve
+
+    if model == EMBEDDED_NAME:
+        ensure_embedded_converted()
+    source = resolve(model)
+    if source.gguf_file is not None or not (source.path / "generation_config.json").exists():
+        return {}
+    return sampling_defaults(GenerationConfig.from_pretrained(source.path), mode)
+
+
 def log_choice(model: str, mode: GenerationConfigMode, defaults: dict[str, Any]) -> None:
     """One line saying which sampling defaults requests get (once per engine)."""
     if mode == "vllm":

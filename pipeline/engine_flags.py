@@ -58,7 +58,8 @@ def add_engine_flags(
         "--generation-config",
         choices=["auto", "vllm"],
         default=d.generation_config,
-        help="auto: the model's generation_config.json sampling values (temperature, top_p, "
+        help="auto (the default): the model's generation_config.json sampling values "
+        "(temperature, top_p, "
         "top_k, min_p, repetition_penalty) are the defaults of requests that set none, as "
         "vLLM's; vllm: ignore them",
     )
