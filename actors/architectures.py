@@ -25,7 +25,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # The model types the test matrix runs token-identical to HF `generate` on every engine path
-# (tests/actors/test_architectures.py parametrizes over this tuple; docs/models.md lists it).
+# (tests/model_matrix.py; tests/actors/test_architectures.py checks the two agree, and
+# docs/models.md lists them).
 TESTED_MODEL_TYPES = (
     "llama",
     "mistral",
