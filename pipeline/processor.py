@@ -245,7 +245,8 @@ def model_facts(engine: EngineConfig) -> tuple[int, int]:
     run wrong, before any actor starts."""
     from actors.loader import checked_config
 
-    hf = checked_config(engine.model, engine.trust_remote_code).get_text_config()
+    hf = checked_config(engine.model, engine.trust_remote_code, engine.world_size)
+    hf = hf.get_text_config()
     context = engine.max_model_len or int(getattr(hf, "max_position_embeddings", None) or 2048)
     return context, int(hf.vocab_size)
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from actors.architectures import REFUSED_FEATURES, TESTED_MODEL_TYPES
+from actors.architectures import PARALLEL_MODEL_TYPES, REFUSED_FEATURES, TESTED_MODEL_TYPES
 from tests.model_matrix import MATRIX
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
@@ -39,12 +39,14 @@ def generated() -> str:
         "",
         "### Tested: token-identical to Hugging Face `generate`",
         "",
-        "| matrix entry | model type | class | config beside the tiny sizes |",
-        "| --- | --- | --- | --- |",
+        "| matrix entry | model type | class | config beside the tiny sizes | tp / pp |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for name, (model_type, fields) in MATRIX.items():
         notes = ", ".join(f"`{k}={_value(v)}`" for k, v in fields.items() if k not in _COMMON)
-        lines.append(f"| {name} | `{model_type}` | `{classes[model_type]}` | {notes or '-'} |")
+        parallel = "yes" if model_type in PARALLEL_MODEL_TYPES else "refused"
+        row = f"| {name} | `{model_type}` | `{classes[model_type]}` | {notes or '-'} | {parallel} |"
+        lines.append(row)
     lines += [
         "",
         "### Refused at load",

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from actors.loader import checked_config
 
     try:  # an unknown model, or one the engine would run wrong, is refused before Ray starts
-        checked_config(config.engine.model, config.engine.trust_remote_code)
+        engine = config.engine
+        checked_config(engine.model, engine.trust_remote_code, engine.world_size)
     except (ValueError, FileNotFoundError) as exc:
         logger.error("bad option: --model %s: %s", config.engine.model, exc)
         return 2

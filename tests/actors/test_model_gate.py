@@ -175,3 +175,15 @@ def test_commands_exit_2_naming_the_model_and_feature(gptj_folder: Path, tmp_pat
     assert served.returncode == 2, served.stderr[-2000:]
     assert "--model" in served.stderr and "'gptj'" in served.stderr
     assert "Started a local Ray" not in served.stderr
+
+
+def test_parallel_engines_take_only_verified_model_types(tmp_path: Path) -> None:
+    """Before Ray: the commands' check (tests/parallel/test_tp_architectures.py runs them)."""
+    folder = tmp_path / "gemma"
+    matrix_config("gemma").save_pretrained(folder)
+    checked_config(str(folder), world_size=1)
+    with pytest.raises(UnsupportedModelError, match="'gemma' is not supported with tensor/pip"):
+        checked_config(str(folder), world_size=2)
+    llama = tmp_path / "llama"
+    matrix_config("llama").save_pretrained(llama)
+    checked_config(str(llama), world_size=4)
