@@ -45,14 +45,15 @@ TESTED_MODEL_TYPES = (
     "mixtral",
 )
 
-# The model types whose tensor/pipeline parallel run (tp=2) gives the single-process engine's
-# tokens (tests/parallel/test_tp_architectures.py). The parallel stages run the decoder layers
-# themselves with only the embedding, final norm and LM head around them
-# (actors/parallel/pp.py `StageModel`), so a model whose own forward does more (Gemma's
-# embedding scale and final softcapping, Granite's multipliers, Gemma 3's per-layer rope) or
-# whose layers the sharding does not split (fused qkv, experts, full-width q/k norms) is
-# refused there.
-PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "starcoder2")
+# The model types whose tensor parallel run (tp=2) gives the single-process engine's tokens,
+# and those whose pipeline parallel run (pp=2) does (tests/parallel/test_tp_architectures.py).
+# The parallel stages run the decoder layers themselves with only the embedding, final norm
+# and LM head around them (actors/parallel/pp.py `StageModel`), so a model whose own forward
+# does more (Gemma's embedding scale and final softcapping, Granite's embedding and logit
+# multipliers, Gemma 3's per-layer rope) is refused there; tensor parallel also needs layers
+# the sharding splits (not phi3's fused qkv, olmo2's full-width q/k norms, experts).
+TENSOR_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "starcoder2")
+PIPELINE_PARALLEL_MODEL_TYPES = (*TENSOR_PARALLEL_MODEL_TYPES, "phi3", "olmo2")
 
 # Layer kinds whose attention the paged KV cache holds; anything else (linear attention,
 # state-space, chunked, hybrid layers) keeps a state of another shape.
@@ -274,26 +275,30 @@ def check_config(config: Any, model_class: type | None = None) -> None:
         )
 
 
-def check_parallel(config: Any, world_size: int) -> None:
-    """Raise `UnsupportedModelError` for a tensor/pipeline parallel engine (`world_size` =
-    tp x pp > 1) of a model type outside `PARALLEL_MODEL_TYPES`."""
+def check_parallel(config: Any, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Raise `UnsupportedModelError` for a tensor (pipeline) parallel engine of a model type
+    outside `TENSOR_PARALLEL_MODEL_TYPES` (`PIPELINE_PARALLEL_MODEL_TYPES`)."""
     kind = model_type(config)
-    if world_size > 1 and kind not in PARALLEL_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model type {kind!r} is not supported with tensor/pipeline parallel (tp x pp = "
-            f"{world_size}): the parallel stages run the decoder layers with only the "
-            "embedding, final norm and LM head around them, and this model's own forward or "
-            f"layer layout is not verified there (verified: {', '.join(PARALLEL_MODEL_TYPES)}); "
-            "run it with tensor_parallel_size and pipeline_parallel_size 1"
-        )
+    for name, size, verified in (
+        ("tensor", tensor_parallel_size, TENSOR_PARALLEL_MODEL_TYPES),
+        ("pipeline", pipeline_parallel_size, PIPELINE_PARALLEL_MODEL_TYPES),
+    ):
+        if size > 1 and kind not in verified:
+            raise UnsupportedModelError(
+                f"model type {kind!r} is not supported with {name} parallel ({name}_parallel_"
+                f"size {size}): the parallel stages run the decoder layers with only the "
+                "embedding, final norm and LM head around them, and this model's own forward "
+                f"or layer layout is not verified there (verified: {', '.join(verified)}); "
+                f"run it with {name}_parallel_size 1"
+            )
 
 
-def check_model(model: Any, world_size: int = 1) -> None:
+def check_model(model: Any, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
     """`check_config` on a loaded model (its class and config) and `check_parallel`, then one
     warning when its model type is outside the tested matrix. The engine calls this once per
     load."""
     check_config(model.config, type(model))
-    check_parallel(model.config, world_size)
+    check_parallel(model.config, tensor_parallel_size, pipeline_parallel_size)
     kind = model_type(model.config)
     if kind not in TESTED_MODEL_TYPES:
         logger.warning(

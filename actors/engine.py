@@ -78,7 +78,7 @@ class LLMEngine:
         elif model is None:
             model = loader.load_model(config.model, dtype, device, config.trust_remote_code)
         # Any model, given or loaded: one that would run wrong is refused (UnsupportedModelError).
-        architectures.check_model(model, config.world_size)
+        architectures.check_model(model, config.tensor_parallel_size, config.pipeline_parallel_size)
         if tokenizer is None:
             tokenizer = loader.load_tokenizer(config.model, config.trust_remote_code)
         self.tokenizer = tokenizer

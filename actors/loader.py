@@ -193,9 +193,14 @@ def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
     )
 
 
-def checked_config(model: str, trust_remote_code: bool = False, world_size: int = 1) -> Any:
+def checked_config(
+    model: str,
+    trust_remote_code: bool = False,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> Any:
     """The model's transformers config (its top level), once the architecture gate passed it
-    (for an engine of `world_size` = tp x pp workers): `architectures.UnsupportedModelError`
+    (for an engine of that tp and pp): `architectures.UnsupportedModelError`
     for a model the engine would run wrong, from the config alone (the commands call this
     before Ray starts; no weight is read)."""
     from transformers import AutoConfig
@@ -207,7 +212,7 @@ def checked_config(model: str, trust_remote_code: bool = False, world_size: int 
         source.path, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
     )
     architectures.check_config(config, architectures.causal_lm_class(config))
-    architectures.check_parallel(config, world_size)
+    architectures.check_parallel(config, tensor_parallel_size, pipeline_parallel_size)
     return config
 
 

@@ -245,8 +245,12 @@ def model_facts(engine: EngineConfig) -> tuple[int, int]:
     run wrong, before any actor starts."""
     from actors.loader import checked_config
 
-    hf = checked_config(engine.model, engine.trust_remote_code, engine.world_size)
-    hf = hf.get_text_config()
+    hf = checked_config(
+        engine.model,
+        engine.trust_remote_code,
+        engine.tensor_parallel_size,
+        engine.pipeline_parallel_size,
+    ).get_text_config()
     context = engine.max_model_len or int(getattr(hf, "max_position_embeddings", None) or 2048)
     return context, int(hf.vocab_size)
 

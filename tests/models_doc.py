@@ -9,7 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from actors.architectures import PARALLEL_MODEL_TYPES, REFUSED_FEATURES, TESTED_MODEL_TYPES
+from actors.architectures import (
+    PIPELINE_PARALLEL_MODEL_TYPES,
+    REFUSED_FEATURES,
+    TENSOR_PARALLEL_MODEL_TYPES,
+    TESTED_MODEL_TYPES,
+)
 from tests.model_matrix import MATRIX
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
@@ -44,7 +49,10 @@ def generated() -> str:
     ]
     for name, (model_type, fields) in MATRIX.items():
         notes = ", ".join(f"`{k}={_value(v)}`" for k, v in fields.items() if k not in _COMMON)
-        parallel = "yes" if model_type in PARALLEL_MODEL_TYPES else "refused"
+        parallel = " / ".join(
+            "yes" if model_type in kinds else "refused"
+            for kinds in (TENSOR_PARALLEL_MODEL_TYPES, PIPELINE_PARALLEL_MODEL_TYPES)
+        )
         row = f"| {name} | `{model_type}` | `{classes[model_type]}` | {notes or '-'} | {parallel} |"
         lines.append(row)
     lines += [

@@ -178,12 +178,20 @@ def test_commands_exit_2_naming_the_model_and_feature(gptj_folder: Path, tmp_pat
 
 
 def test_parallel_engines_take_only_verified_model_types(tmp_path: Path) -> None:
-    """Before Ray: the commands' check (tests/parallel/test_tp_architectures.py runs them)."""
+    """Before Ray: the commands' check (tests/parallel/test_parallel_architectures.py runs
+    the engines)."""
     folder = tmp_path / "gemma"
     matrix_config("gemma").save_pretrained(folder)
-    checked_config(str(folder), world_size=1)
-    with pytest.raises(UnsupportedModelError, match="'gemma' is not supported with tensor/pip"):
-        checked_config(str(folder), world_size=2)
+    checked_config(str(folder))
+    with pytest.raises(UnsupportedModelError, match="'gemma' is not supported with tensor par"):
+        checked_config(str(folder), tensor_parallel_size=2)
+    with pytest.raises(UnsupportedModelError, match="'gemma' is not supported with pipeline"):
+        checked_config(str(folder), pipeline_parallel_size=2)
+    phi3 = tmp_path / "phi3"  # pipeline stages take it, tensor parallel does not split it
+    matrix_config("phi3").save_pretrained(phi3)
+    checked_config(str(phi3), pipeline_parallel_size=2)
+    with pytest.raises(UnsupportedModelError, match="'phi3' is not supported with tensor"):
+        checked_config(str(phi3), tensor_parallel_size=2)
     llama = tmp_path / "llama"
     matrix_config("llama").save_pretrained(llama)
-    checked_config(str(llama), world_size=4)
+    checked_config(str(llama), tensor_parallel_size=2, pipeline_parallel_size=2)
