@@ -36,7 +36,8 @@ def test_architecture_matches_hf_generate_on_every_path(name, tmp_path, prompt_i
     groups = prefix_groups_for(prompt_ids)
     params = SamplingParams(max_tokens=MAX_TOKENS)
 
-    packed = LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=256))
+    # float32 pinned: the promise is float32's (a CPU with native bfloat16 may default to it)
+    packed = LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=256, dtype="float32"))
     runs = {"packed": packed.generate(prompt_ids, params)}
     # the same prompts again: their full blocks come from the prefix cache, groups share too
     runs["prefix cache + groups"] = packed.generate(prompt_ids, params, groups)
@@ -44,6 +45,7 @@ def test_architecture_matches_hf_generate_on_every_path(name, tmp_path, prompt_i
     chunked = LLMEngine(
         EngineConfig(
             model=str(folder),
+            dtype="float32",
             num_kv_blocks=256,
             chunk_size=7,
             max_num_batched_tokens=64,
