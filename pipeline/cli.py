@@ -120,9 +120,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "sampling (defaults; --sampling-columns / --sampling-column override them per row)"
     )
     s.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens to generate")
-    s.add_argument("--temperature", type=float, default=d.temperature, help="0 is greedy (argmax)")
-    s.add_argument("--top-k", type=int, default=d.top_k, help="0 or -1: no top-k filter")
-    s.add_argument("--top-p", type=float, default=d.top_p, help="1: no nucleus filter")
+    # Unset: the model's generation_config.json value (--generation-config auto, as vLLM),
+    # else SamplingParams' default.
+    model_default = "(default: the model's generation config's, else {})"
+    s.add_argument(
+        "--temperature", type=float, help="0 is greedy (argmax) " + model_default.format(0.0)
+    )
+    s.add_argument("--top-k", type=int, help="0 or -1: no top-k filter " + model_default.format(0))
+    s.add_argument("--top-p", type=float, help="1: no nucleus filter " + model_default.format(1.0))
+    s.add_argument(
+        "--repetition-penalty", type=float, help="1: no penalty " + model_default.format(1.0)
+    )
     s.add_argument("--seed", type=int, help="sampling seed (default: none, not reproducible)")
     s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
@@ -240,15 +248,7 @@ def job_config(
         prompt=prompt,
         output=args.output,
         engine=engine_config_from_args(args),
-        sampling=SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            stop=tuple(args.stop),
-            ignore_eos=args.ignore_eos,
-        ),
+        sampling=job_sampling(args),
         plan=PlanConfig(
             prefix_grouping=not args.no_prefix_grouping,
             max_rows_per_shard=args.max_rows_per_shard,
@@ -279,6 +279,37 @@ def job_config(
         overwrite=args.overwrite,
         retry_errors=args.retry_errors,
     )
+
+
+def job_sampling(args: argparse.Namespace) -> SamplingParams:
+    """The job's default sampling: the flags given, else the model's generation config's
+    values (unless --generation-config vllm; logged), else SamplingParams' defaults. Resolved
+    here, so the lineage records what the rows are generated with."""
+    from actors import generation_defaults
+
+    given = {
+        name: getattr(args, name)
+        for name in ("temperature", "top_k", "top_p", "repetition_penalty")
+        if getattr(args, name, None) is not None
+    }
+    mode = getattr(args, "generation_config", "auto")
+    try:
+        model = generation_defaults.folder_defaults(args.model, mode)
+    except FileNotFoundError as exc:  # an unknown model, named with its flag
+        raise FileNotFoundError(f"--model: {exc}") from exc
+    generation_defaults.log_choice(args.model, mode, model)
+    try:
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+            **{**model, **given},
+        )
+    except ValueError as exc:
+        if set(model) - set(given):  # the model's value, not a flag, is out of range
+            raise ValueError(f"--model {args.model}'s generation_config.json: {exc}") from exc
+        raise
 
 
 def connect_ray(num_cpus: int | None = None) -> None:

@@ -29,6 +29,7 @@ _FIELDS = (
     "pipeline_parallel_size",
     "placement_strategy",
     "worker_num_cpus",
+    "generation_config",
 )
 
 
@@ -43,7 +44,9 @@ def add_engine_flags(
     g.add_argument(
         "--model",
         default=d.model,
-        help="'smollm2' (embedded), a local HF folder or a .gguf file, or one at a URI (s3://...)",
+        help="'smollm2' (embedded), a local HF folder or a .gguf file, one at a URI (s3://...), "
+        "or a hub id org/name[@revision] (downloaded once into the HF cache; HF_HUB_OFFLINE=1: "
+        "the cache only)",
     )
     g.add_argument(
         "--dtype",
@@ -53,6 +56,15 @@ def add_engine_flags(
         "it natively (AVX-512 BF16, AMX), else float32 (exact against HF's float32)",
     )
     g.add_argument("--max-model-len", type=int, help="context length cap (default: the model's)")
+    g.add_argument(
+        "--generation-config",
+        choices=["auto", "vllm"],
+        default=d.generation_config,
+        help="auto (the default): the model's generation_config.json sampling values "
+        "(temperature, top_p, "
+        "top_k, min_p, repetition_penalty) are the defaults of requests that set none, as "
+        "vLLM's; vllm: ignore them",
+    )
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,

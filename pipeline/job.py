@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from actors.architectures import UnsupportedModelError
 from actors.dtypes import choose_dtype, cpu_info
 from actors.parallel import placement
 from pipeline import engine_placement, lineage, storage
@@ -107,7 +108,10 @@ def prepare(config: JobConfig) -> PreparedJob:
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"--model: {exc}") from exc
     checked = check_input(source)
-    max_model_len, vocab_size = model_facts(config.engine)
+    try:  # a model the engine would run wrong is refused here too (actors/architectures.py)
+        max_model_len, vocab_size = model_facts(config.engine)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"--model {config.engine.model}: {exc}") from exc
     check_output(config.output)  # last: it creates the folder
     return PreparedJob(
         source=source,

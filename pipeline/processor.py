@@ -240,16 +240,16 @@ def build_processor(config: ProcessorConfig) -> Processor:
 
 def model_facts(engine: EngineConfig) -> tuple[int, int]:
     """(context length, vocabulary size) of the engine's model: `max_model_len` when set,
-    else the model config's `max_position_embeddings`; FileNotFoundError for no model."""
-    from transformers import AutoConfig
+    else the model config's `max_position_embeddings`; FileNotFoundError for no model, and
+    `actors.architectures.UnsupportedModelError` (a ValueError) for a model the engine would
+    run wrong, before any actor starts."""
+    from actors.loader import checked_config
 
-    from actors.loader import EMBEDDED_NAME, ensure_embedded_converted, resolve
-
-    if engine.model == EMBEDDED_NAME:
-        ensure_embedded_converted()  # once here, not in every actor at the same time
-    src = resolve(engine.model)
-    hf = AutoConfig.from_pretrained(
-        src.path, gguf_file=src.gguf_file, trust_remote_code=engine.trust_remote_code
+    hf = checked_config(
+        engine.model,
+        engine.trust_remote_code,
+        engine.tensor_parallel_size,
+        engine.pipeline_parallel_size,
     ).get_text_config()
     context = engine.max_model_len or int(getattr(hf, "max_position_embeddings", None) or 2048)
     return context, int(hf.vocab_size)

@@ -1,8 +1,14 @@
-"""Shared test setup: GPU tests are skipped without CUDA; torch uses the machine's cores."""
+"""Shared test setup: GPU tests are skipped without CUDA; torch uses the machine's cores;
+no test reaches the Hugging Face hub (HF_HUB_OFFLINE=1, inherited by the commands and Ray
+workers tests start)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

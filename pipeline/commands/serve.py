@@ -79,6 +79,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except ValueError as exc:
         logger.error("bad option: %s", exc)
         return 2
+    from actors.loader import checked_config
+
+    try:  # an unknown model, or one the engine would run wrong, is refused before Ray starts
+        engine = config.engine
+        checked_config(
+            engine.model,
+            engine.trust_remote_code,
+            engine.tensor_parallel_size,
+            engine.pipeline_parallel_size,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        logger.error("bad option: --model %s: %s", config.engine.model, exc)
+        return 2
     import ray
     from ray import serve
 

@@ -214,6 +214,7 @@ class OpenAIDeployment:
             self._engine.tokenizer,
             self._engine.max_model_len,
             self._engine.vocab_size,
+            self._engine.sampling_defaults,
         )
         api = create_api(service, self._api_keys, self._metrics, self._app_snapshots)
         # outermost: even the guard's own 4xx name the replica that answered

@@ -66,14 +66,22 @@ class OpenAIService:
         tokenizer: Any,
         max_model_len: int,
         vocab_size: int,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
+        """`sampling_defaults`: the model's own (the engine's `sampling_defaults`), for the
+        fields a request leaves unset, as vLLM's server does."""
         self.config = config
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.loop = loop
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_prompt_tokens = min(config.max_prompt_tokens or max_model_len, max_model_len - 1)
         self.started = int(time.time())
+
+    def _or_default(self, value: Any, name: str, fallback: Any) -> Any:
+        """A request's field, else the model's generation config's, else OpenAI's default."""
+        return value if value is not None else self.sampling_defaults.get(name, fallback)
 
     def models(self) -> ModelList:
         """GET /v1/models."""
@@ -243,19 +251,19 @@ class OpenAIService:
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=request.top_k or 0,
+                temperature=self._or_default(request.temperature, "temperature", 1.0),
+                top_p=self._or_default(request.top_p, "top_p", 1.0),
+                top_k=self._or_default(request.top_k, "top_k", 0),
                 seed=request.seed,
                 stop=request.stop_strings(),
                 ignore_eos=request.ignore_eos,
                 logprobs=_logprobs(request),
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=(
-                    1.0 if request.repetition_penalty is None else request.repetition_penalty
+                repetition_penalty=self._or_default(
+                    request.repetition_penalty, "repetition_penalty", 1.0
                 ),
-                min_p=request.min_p or 0.0,
+                min_p=self._or_default(request.min_p, "min_p", 0.0),
                 logit_bias=logit_bias_pairs(request.logit_bias or {}),
             )
         except ValueError as exc:  # SamplingParams bounds every value; its message names it
