@@ -139,11 +139,20 @@ class ProcessorConfig:
         return self.sampling.logprobs is not None or stage.LOGPROBS in self.override_columns
 
     @property
+    def with_samples(self) -> bool:
+        """Whether rows get a `sample_index` column: a row can have several samples (`n` > 1
+        by default, or `n` / `best_of` per row: an override column or the sampling column);
+        each sample is an output row of its own with the row's columns."""
+        per_row = {"n", "best_of"} & set(self.override_columns) or self.sampling_column
+        return self.sampling.num_samples > 1 or bool(per_row)
+
+    @property
     def output_columns(self) -> tuple[str, ...]:
-        """What the processor adds to every row, in this order: the text column,
-        `generated_token_ids`, `num_prompt_tokens`, `num_generated_tokens`, `finish_reason`,
-        `error`, and `logprobs` when asked."""
+        """What the processor adds to every row, in this order: `sample_index` when a row can
+        have several samples, the text column, `generated_token_ids`, `num_prompt_tokens`,
+        `num_generated_tokens`, `finish_reason`, `error`, and `logprobs` when asked."""
         return (
+            *((stage.SAMPLE_INDEX,) if self.with_samples else ()),
             self.text_column,
             stage.GENERATED_TOKEN_IDS,
             stage.NUM_PROMPT_TOKENS,

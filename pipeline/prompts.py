@@ -22,7 +22,7 @@ from pipeline.done_ids import DoneIds
 from pipeline.stage import Stage
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-_INT_FIELDS = {"max_tokens", "top_k", "min_tokens", "seed", "logprobs"}
+_INT_FIELDS = {"max_tokens", "top_k", "min_tokens", "seed", "logprobs", "n", "best_of"}
 Prompt = str | list[dict[str, str]]  # a text prompt, or chat messages
 
 
