@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.config import MAX_INT32, MAX_LOGPROBS, MAX_SEED, MIN_SEED
+from actors.config import MAX_INT32, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED, MIN_SEED
 
 FinishReason = Literal["stop", "length"]
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -57,7 +57,11 @@ class _SamplingFields(_Request):
         description="Seed for sampling; same seed, same tokens (-2**63 to 2**64 - 1).",
     )
     n: int = Field(
-        default=1, ge=1, description="Number of choices; only 1 is supported (400 otherwise)."
+        default=1,
+        ge=1,
+        le=MAX_SAMPLES,
+        description="Number of choices (samples of the prompt, which is prefilled once); "
+        "with a seed, choice i draws from seed + i.",
     )
     stream: bool = Field(default=False, description="Stream tokens as server-sent events.")
     stream_options: StreamOptions | None = Field(
@@ -103,8 +107,6 @@ class _SamplingFields(_Request):
 
         Such fields are accepted at their neutral values (clients often send `"logprobs":
         null` or `"echo": false`) and refused otherwise, never silently ignored."""
-        if self.n != 1:
-            return "n", f"n is {self.n}; this server returns one choice per request (n=1)"
         return None
 
 
@@ -126,7 +128,11 @@ class CompletionRequest(_SamplingFields):
     )
     echo: bool = Field(default=False, description="Not supported: only false is accepted.")
     best_of: int | None = Field(
-        default=None, ge=1, description="Not supported beyond 1: one candidate per request."
+        default=None,
+        ge=1,
+        le=MAX_SAMPLES,
+        description="Generate best_of candidates and return the n with the highest "
+        "cumulative logprob (at least n; not with stream).",
     )
     add_special_tokens: bool = Field(
         default=True,
@@ -138,8 +144,8 @@ class CompletionRequest(_SamplingFields):
         """(field, why) of the first option set to something this server cannot do."""
         if self.echo:
             return "echo", "echo is not supported by this server; omit it or send false"
-        if self.best_of not in (None, 1):
-            return "best_of", f"best_of is {self.best_of}; this server supports only 1"
+        if self.best_of not in (None, self.n) and self.stream:
+            return "best_of", "best_of > n cannot be streamed (as OpenAI and vLLM)"
         return super().unsupported()
 
 
