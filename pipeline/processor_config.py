@@ -5,6 +5,7 @@ keyed rows to the engine's rows that the processor and the offline job share
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from actors.config import EngineConfig, SamplingParams
 from pipeline import stage
@@ -24,7 +25,9 @@ class ProcessorConfig:
     prompts are tokenized as `tokenizer(text)` (the tokenizer's special tokens, e.g. BOS;
     `add_special_tokens=False` leaves them out), chats as `apply_chat_template(...,
     tokenize=True)` (actors/tokenization.py), text in messages that spells a special token as
-    plain text unless `allow_special_tokens_in_messages`.
+    plain text unless `allow_special_tokens_in_messages`; `chat_template` (a template's
+    text) replaces the tokenizer's and `chat_template_kwargs` reach the template (vLLM's
+    names, e.g. `{"enable_thinking": False}` for Qwen3).
 
     Defaults: `engine` EngineConfig() (the embedded SmolLM2-135M-Instruct), `sampling`
     SamplingParams() (greedy, max_tokens 16; `logprobs=k` adds the `logprobs` column),
@@ -53,6 +56,8 @@ class ProcessorConfig:
     system_prompt: str | None = None
     add_special_tokens: bool = True
     allow_special_tokens_in_messages: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     id_column: str | None = None
     override_columns: tuple[str, ...] = ()
     sampling_column: str | None = None
@@ -75,7 +80,7 @@ class ProcessorConfig:
                 "give exactly one of prompt_column, prompt_template, messages_column or "
                 f"token_ids_column; got {given or 'none'}"
             )
-        if self.token_ids_column and (self.chat or self.system_prompt):
+        if self.token_ids_column and (self.chat or self.system_prompt or self.chat_template):
             raise ValueError("chat / system_prompt apply to text prompts, not token_ids_column")
         if not isinstance(self.concurrency, int) or self.concurrency < 1:
             raise ValueError(f"concurrency must be an integer >= 1, got {self.concurrency!r}")
@@ -105,6 +110,8 @@ class ProcessorConfig:
             allow_special_tokens_in_messages=prompt.allow_special_tokens_in_messages,
             override_columns=prompt.override_columns,
             sampling_column=prompt.sampling_column,
+            chat_template=prompt.chat_template,
+            chat_template_kwargs=prompt.chat_template_kwargs,
             **kwargs,
         )
 
@@ -123,6 +130,8 @@ class ProcessorConfig:
             allow_special_tokens_in_messages=self.allow_special_tokens_in_messages,
             override_columns=self.override_columns,
             sampling_column=self.sampling_column,
+            chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
 
     @property

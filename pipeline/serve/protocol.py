@@ -9,7 +9,7 @@ infinities are refused, seeds fit 64 bits and top_k 32 bits.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -192,6 +192,17 @@ class ChatCompletionRequest(_SamplingFields):
         ge=0,
         le=MAX_LOGPROBS,
         description="With logprobs: true, also the k most likely tokens at each position.",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        min_length=1,
+        description="vLLM extension: a chat template (Jinja text) used for this request "
+        "instead of the server's.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="vLLM extension: variables for the chat template, e.g. "
+        '{"enable_thinking": false} for Qwen3.',
     )
 
 

@@ -116,6 +116,8 @@ class OpenAIService:
                 self.tokenizer,
                 messages,
                 allow_special_tokens=self.config.allow_special_tokens_in_messages,
+                chat_template=request.chat_template or self.config.chat_template,
+                template_kwargs=request.chat_template_kwargs,
             )
         except ChatTemplateError as exc:  # a template may reject a conversation
             raise bad_request(
