@@ -35,7 +35,8 @@ class ProcessorConfig:
     carried like any other column), `override_columns` () (no per-row sampling unless named:
     columns named like SamplingParams fields), `sampling_column` None (a dict or JSON of such
     fields per row), `text_column` "generated_text" (the generated text's column),
-    `concurrency` 1 (engine actors), `plan` PlanConfig() (prefix grouping on, nested groups,
+    `concurrency` 1 (engine actors: a number, or `(min, max)` for an actor pool Ray Data
+    grows and shrinks between the two, as in Ray Data LLM), `plan` PlanConfig() (prefix grouping on, nested groups,
     64-token prefix keys, shards of at most 256 rows / 65536 prompt tokens, one shuffle
     partition per engine actor unless `plan.num_partitions`), `compute` ComputeConfig()
     (engine actors take a GPU each when the cluster has GPUs, else 0.5 CPU; one tokenizer
@@ -62,7 +63,7 @@ class ProcessorConfig:
     override_columns: tuple[str, ...] = ()
     sampling_column: str | None = None
     text_column: str = "generated_text"
-    concurrency: int = 1
+    concurrency: int | tuple[int, int] = 1
     plan: PlanConfig = field(default_factory=PlanConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
 
@@ -82,9 +83,15 @@ class ProcessorConfig:
             )
         if self.token_ids_column and (self.chat or self.system_prompt or self.chat_template):
             raise ValueError("chat / system_prompt apply to text prompts, not token_ids_column")
-        if not isinstance(self.concurrency, int) or self.concurrency < 1:
-            raise ValueError(f"concurrency must be an integer >= 1, got {self.concurrency!r}")
-        if self.compute.num_actors not in (1, self.concurrency):
+        low, high = self.actor_pool_size
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)) or not (
+            1 <= low <= high
+        ):
+            raise ValueError(
+                f"concurrency must be an integer >= 1 or a (min, max) pair of them with min <= "
+                f"max, got {self.concurrency!r}"
+            )
+        if self.compute.num_actors not in (1, high):
             raise ValueError("set the number of engine actors with concurrency, not compute")
         if not self.text_column:
             raise ValueError("text_column is empty")
@@ -172,12 +179,19 @@ class ProcessorConfig:
         )
 
     @property
+    def actor_pool_size(self) -> tuple[int, int]:
+        """The engine actors at least and at most (`concurrency` as a pair)."""
+        if isinstance(self.concurrency, tuple | list) and len(self.concurrency) == 2:
+            return self.concurrency[0], self.concurrency[1]
+        return self.concurrency, self.concurrency  # type: ignore[return-value]
+
+    @property
     def compute_config(self) -> ComputeConfig:
-        """`compute` with `concurrency` engine actors."""
-        return replace(self.compute, num_actors=self.concurrency)
+        """`compute` with the most engine actors `concurrency` allows."""
+        return replace(self.compute, num_actors=self.actor_pool_size[1])
 
     @property
     def num_partitions(self) -> int:
         """Hash partitions of the shuffle by prefix key: `plan.num_partitions`, else one per
-        engine actor."""
-        return self.plan.num_partitions or self.concurrency
+        engine actor (at most)."""
+        return self.plan.num_partitions or self.actor_pool_size[1]
