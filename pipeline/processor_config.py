@@ -164,11 +164,11 @@ class ProcessorConfig:
 
     @property
     def output_columns(self) -> tuple[str, ...]:
-        """What the processor adds to every row, in this order: `sample_index` when a row can
-        have several samples, the text column, `generated_token_ids`, `num_prompt_tokens`,
-        `num_generated_tokens`, `finish_reason`, `error`, and `logprobs` when asked."""
+        """What the processor adds to every row, in this order: the text column,
+        `generated_token_ids`, `num_prompt_tokens`, `num_generated_tokens`, `finish_reason`,
+        `error`, `logprobs` when asked, and `sample_index` when a row can have several
+        samples."""
         return (
-            *((stage.SAMPLE_INDEX,) if self.with_samples else ()),
             self.text_column,
             stage.GENERATED_TOKEN_IDS,
             stage.NUM_PROMPT_TOKENS,
@@ -176,6 +176,7 @@ class ProcessorConfig:
             stage.FINISH_REASON,
             stage.ERROR,
             *((stage.LOGPROBS,) if self.with_logprobs else ()),
+            *((stage.SAMPLE_INDEX,) if self.with_samples else ()),
         )
 
     @property

@@ -89,3 +89,39 @@ def test_config_fields_concurrency_and_columns():
     )
     renamed = RayColumnsStage(detokenize=False)(batch)
     assert renamed.column_names == ["generated_tokens", "num_input_tokens", "item"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_n_samples_per_row_through_the_processor(ray_cluster, tiny_model_dir):
+    import ray.data
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from actors.loader import load_tokenizer
+    from tests.actors.reference import hf_greedy, torch_threads
+
+    prompts = ["Once upon a time", "The capital of France is"]
+    config = LLMProcessorConfig(model_source=str(tiny_model_dir), apply_chat_template=False)
+    processor = build_processor(
+        config,
+        preprocess=lambda row: {
+            "prompt": row["item"],
+            "sampling_params": {"n": 3, "max_tokens": 4},
+        },
+        postprocess=lambda row: {
+            "prompt": row["prompt"],
+            "sample": row["sample_index"],
+            "tokens": list(row["generated_tokens"]),
+        },
+    )
+    got = processor(ray.data.from_items(prompts)).take_all()
+    assert sorted((r["prompt"], r["sample"]) for r in got) == [
+        (p, s) for p in sorted(prompts) for s in range(3)
+    ]
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch_threads(1):
+        for row in got:
+            ids = tokenizer(row["prompt"])["input_ids"]
+            assert row["tokens"] == hf_greedy(model, ids, 4), row
