@@ -109,3 +109,36 @@ def test_serve_takes_the_server_flag_and_the_request_fields(tokenizer) -> None:
     with pytest.raises(APIError) as raised:
         prepare(plain, chat_template="{% if %}")
     assert raised.value.status == 400
+
+
+def test_a_changed_template_or_kwarg_or_n_is_a_lineage_difference(tiny_model_dir, tmp_path):
+    from dataclasses import replace
+
+    from actors.config import EngineConfig, SamplingParams
+    from pipeline import lineage
+    from pipeline.config import InputConfig, JobConfig
+
+    chat = PromptConfig(prompt_column="p", chat=True, chat_template=TEMPLATE)
+    config = JobConfig(
+        input=InputConfig("in.parquet"),
+        prompt=chat,
+        output=str(tmp_path / "out"),
+        engine=EngineConfig(model=str(tiny_model_dir)),
+    )
+
+    def record(job: JobConfig) -> dict:
+        return lineage.job_lineage(job, "id", (), 512)
+
+    first = record(config)
+    thinking = replace(chat, chat_template_kwargs={"enable_thinking": True})
+    changes = [
+        (
+            replace(config, prompt=replace(chat, chat_template=TEMPLATE + " ")),
+            "prompt.chat_template",
+        ),
+        (replace(config, prompt=thinking), "prompt.chat_template_kwargs"),
+        (replace(config, sampling=SamplingParams(n=2)), "sampling.n"),
+    ]
+    for job, name in changes:
+        diffs = [d[0] for d in lineage.differences(first, record(job))]
+        assert diffs and all(d.startswith(name) for d in diffs), diffs
