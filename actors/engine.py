@@ -308,9 +308,9 @@ class LLMEngine:
             origin, sample = fork.origin[index], fork.sample_index[index]
             tokens = token_ids[origin]
             prompt = prompts[origin] if tokens is None else tokens
-            num = per_prompt[origin].num_samples
-            rid = sample_id(ids[origin], sample, num)
-            self._add(prompt, fork.params[index], rid, group, (ids[origin], sample))
+            rid = sample_id(ids[origin], sample, per_prompt[origin].num_samples)
+            parent = None if rid == ids[origin] else (ids[origin], sample)
+            self._add(prompt, fork.params[index], rid, group, parent)
         return ids
 
     def generate(
@@ -354,7 +354,7 @@ class LLMEngine:
     ) -> Request:
         """Queue a request, or finish it at once with an error: a prompt that cannot run, or
         anything that raises while the request is built (only this request fails)."""
-        parent_id, sample_index = sample if sample and sample[0] != request_id else (None, 0)
+        parent_id, sample_index = sample or (None, 0)
         if request_id is None:
             request_id = self._new_id("req")
         elif request_id in self._requests:
