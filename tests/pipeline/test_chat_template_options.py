@@ -6,6 +6,7 @@ builder, the job's flags (and its lineage) and Serve's chat request mapping."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -99,8 +100,13 @@ def test_serve_takes_the_server_flag_and_the_request_fields(tokenizer) -> None:
         body = {"model": "m", "messages": CHAT, **fields}
         return service.prepare_chat(json.dumps(body).encode()).prompt_token_ids
 
+    from pipeline.serve.cli import serve_config_from_app_args
+
     plain = ServeConfig(served_model_name="m", api_keys_env=None)
-    server = ServeConfig(served_model_name="m", api_keys_env=None, chat_template=TEMPLATE)
+    # The server flag, as `raypack serve --chat-template TEXT` and Serve's builder read it.
+    flagged = serve_config_from_app_args({"chat_template": TEMPLATE})
+    server = replace(plain, chat_template=flagged.chat_template)
+    assert server.chat_template == TEMPLATE
     assert prepare(plain) == hf(tokenizer)
     assert prepare(server) == hf(tokenizer, TEMPLATE)
     assert prepare(plain, chat_template=TEMPLATE) == hf(tokenizer, TEMPLATE)
@@ -112,8 +118,6 @@ def test_serve_takes_the_server_flag_and_the_request_fields(tokenizer) -> None:
 
 
 def test_a_changed_template_or_kwarg_or_n_is_a_lineage_difference(tiny_model_dir, tmp_path):
-    from dataclasses import replace
-
     from actors.config import EngineConfig, SamplingParams
     from pipeline import lineage
     from pipeline.config import InputConfig, JobConfig
