@@ -116,3 +116,14 @@ def test_retry_errors_drops_every_sample_of_a_row_with_an_error(tmp_path):
     assert _drop_error_rows(str(path), pq.ParquetFile(path)) == 3
     kept = pq.read_table(path).to_pylist()
     assert [(r[stage.ID], r[stage.SAMPLE_INDEX]) for r in kept] == [("b", 0), ("b", 1)]
+
+
+def test_n_and_best_of_flags():
+    from pipeline.commands.generate import build_config, build_parser
+
+    base = ["--input", "in.jsonl", "--output", "out", "--prompt-column", "p"]
+    config = build_config(build_parser().parse_args([*base, "--n", "2", "--best-of", "3"]))
+    assert (config.sampling.n, config.sampling.best_of) == (2, 3)
+    assert build_config(build_parser().parse_args(base)).sampling.num_samples == 1
+    with pytest.raises(ValueError, match="best_of must be an integer in \\[4"):
+        build_config(build_parser().parse_args([*base, "--n", "4", "--best-of", "3"]))
