@@ -108,7 +108,10 @@ class SampleBook:
         self._parents: dict[str, _Samples] = {}
 
     def add(self, request_id: str, params: SamplingParams) -> None:
-        """Record a prompt's sample requests (only when it has more than one)."""
+        """Record a prompt's sample requests (only when it has more than one); ValueError
+        for an id whose samples are still running."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         count = params.num_samples
         if count > 1:
             ids = [sample_id(request_id, i, count) for i in range(count)]

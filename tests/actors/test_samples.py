@@ -95,6 +95,8 @@ def test_add_request_streams_each_sample_and_aborts_them_all(make_engine, prompt
     while not seen:
         seen = {o.sample_index for o in engine.step() if o.request_id == "mine"}
     assert seen == {0, 1}
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(prompt_ids[1], params, request_id="mine")
     engine.abort_request("mine")
     finished = [o for o in engine.step() if o.finished]
     assert sorted((o.request_id, o.sample_index, o.finish_reason) for o in finished) == [
