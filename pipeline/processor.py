@@ -28,7 +28,12 @@ from pipeline.engine_actor import default_torch_threads, engine_actor_args, shar
 from pipeline.infer import InferStage
 from pipeline.processor_config import ProcessorConfig
 from pipeline.processor_stages import INPUT, IntakeStage, OutflowStage, TokenIdsStage
-from pipeline.ray_llm import SAMPLING_PARAMS, LLMProcessorConfig, RayColumnsStage
+from pipeline.ray_llm import (
+    SAMPLING_PARAMS,
+    ChatPromptStage,
+    LLMProcessorConfig,
+    RayColumnsStage,
+)
 from pipeline.tokenize import TokenizeStage
 
 __all__ = [
@@ -49,8 +54,9 @@ class Processor:
 
     `facts` (context length, vocabulary size) when the caller has read them already
     (`model_facts`); else they are read on first use. `preprocess` / `postprocess` (Ray Data
-    LLM's): a function of a row applied before (`ds.map`) and after; `ray_columns` renames
-    the output columns as Ray Data LLM names them (`pipeline.ray_llm`)."""
+    LLM's): a function of a row applied before (`ds.map`) and after; `before` a stage run on
+    the rows the preprocess returns; `ray_columns` renames the output columns as Ray Data LLM
+    names them (`pipeline.ray_llm`)."""
 
     def __init__(
         self,
@@ -59,17 +65,26 @@ class Processor:
         facts: tuple[int, int] | None = None,
         preprocess: Callable[[Row], Row] | None = None,
         postprocess: Callable[[Row], Row] | None = None,
+        before: ChatPromptStage | None = None,
         ray_columns: RayColumnsStage | None = None,
     ):
         self.config = config
         self._model = facts
         self.preprocess = preprocess
         self.postprocess = postprocess
+        self.before = before
         self.ray_columns = ray_columns
 
     def __call__(self, ds):  # noqa: ANN001, ANN204 (ray.data.Dataset in and out)
         if self.preprocess is not None:
             ds = ds.map(_with_sampling_params(self.preprocess))
+        if self.before is not None:
+            ds = ds.map_batches(
+                self.before,
+                batch_format="pyarrow",
+                batch_size=256,
+                num_cpus=self.config.compute.task_num_cpus,
+            )
         ds = self._generate(ds)
         if self.ray_columns is not None:
             ds = ds.map_batches(
@@ -280,10 +295,12 @@ def build_processor(
     an `LLMProcessorConfig` (Ray Data LLM's call shape, `pipeline.ray_llm`), rows come out
     with Ray Data LLM's column names; `preprocess` and `postprocess` work with either."""
     if isinstance(config, LLMProcessorConfig):
+        inner = config.processor_config()
         return Processor(
-            config.processor_config(),
+            inner,
             preprocess=preprocess,
             postprocess=postprocess,
+            before=ChatPromptStage(inner) if inner.messages_column else None,
             ray_columns=RayColumnsStage(detokenize=config.detokenize),
         )
     return Processor(config, preprocess=preprocess, postprocess=postprocess)

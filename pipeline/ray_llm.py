@@ -9,6 +9,7 @@ changing only its import and its config class (docs/ray-data-llm.md):
 here. The rows the preprocess returns carry `messages` (chat, `apply_chat_template=True`, the
 default) or `prompt` (text), and `sampling_params` (a dict of vLLM sampling fields, optional);
 every column they have travels to the postprocess, which also gets Ray's output columns:
+`prompt` (for chat rows: the chat template's text, as Ray's chat template stage adds it),
 `generated_text` (unless `detokenize=False`), `generated_tokens`, `num_generated_tokens`,
 `num_input_tokens`, and ours: `finish_reason`, `error` (a row that cannot run gets it, it never
 stops the dataset), `sample_index` (0, or 0..n-1 for a row whose sampling_params ask `n`
@@ -28,6 +29,7 @@ import pyarrow as pa
 from actors.config import EngineConfig
 from pipeline import stage
 from pipeline.processor_config import ProcessorConfig
+from pipeline.prompts import PromptBuilder, RowError
 from pipeline.stage import Stage
 
 logger = logging.getLogger(__name__)
@@ -137,6 +139,39 @@ class LLMProcessorConfig:
         """The processor's output columns under Ray Data LLM's names (`RayColumnsStage`)."""
         out = [RAY_NAMES.get(c, c) for c in columns]
         return tuple(c for c in out if self.detokenize or c != "generated_text")
+
+
+class ChatPromptStage(Stage):
+    """Chat rows -> the same rows with `prompt`, the chat template's text of their `messages`
+    (null when the template rejects them: the tokenizer stage gives that row its error), as
+    Ray Data LLM's chat template stage leaves it for the postprocess. A plain callable (Ray
+    Data tasks): the tokenizer is loaded once per task."""
+
+    name = "ray.data.llm chat prompt"
+
+    def __init__(self, config: ProcessorConfig):
+        assert config.prompt is not None and config.messages_column, "chat configs only"
+        self.prompt = config.prompt
+        self.model = config.engine.model
+        self.trust_remote_code = config.engine.trust_remote_code
+
+    def required_columns(self) -> tuple[str, ...]:
+        return (MESSAGES,)
+
+    def process(self, batch: pa.Table) -> pa.Table:
+        from actors.loader import load_tokenizer
+
+        builder = PromptBuilder(self.prompt, load_tokenizer(self.model, self.trust_remote_code))
+        texts: list[str | None] = []
+        for messages in batch.column(MESSAGES).to_pylist():
+            try:
+                texts.append(builder.build({MESSAGES: messages}))
+            except RowError:
+                texts.append(None)
+        column = pa.array(texts, pa.string())
+        if PROMPT in batch.column_names:
+            return batch.set_column(batch.column_names.index(PROMPT), PROMPT, column)
+        return batch.append_column(PROMPT, column)
 
 
 class RayColumnsStage(Stage):

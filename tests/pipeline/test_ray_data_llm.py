@@ -37,7 +37,8 @@ def test_the_documented_ray_data_llm_program_runs(ray_cluster, tiny_model_dir, c
     shown = capsys.readouterr().out
     # ds.show printed the one row: the postprocess's answer beside every carried column.
     assert shown.count("'answer':") == 1, shown
-    for column in ("'generated_text':", "'messages':", "'num_input_tokens':", "'error': None"):
+    columns = ("'generated_text':", "'messages':", "'prompt': '<|im_start|>system", "'error': None")
+    for column in columns:
         assert column in shown, shown
 
 
@@ -125,3 +126,24 @@ def test_n_samples_per_row_through_the_processor(ray_cluster, tiny_model_dir):
         for row in got:
             ids = tokenizer(row["prompt"])["input_ids"]
             assert row["tokens"] == hf_greedy(model, ids, 4), row
+
+
+def test_chat_rows_get_the_chat_templates_text_as_prompt():
+    from actors.loader import load_tokenizer
+    from pipeline.ray_llm import ChatPromptStage
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<bot>"
+    chats = [[{"role": "user", "content": "Hi"}], [{"role": "system", "content": "Be brief."}]]
+    tokenizer = load_tokenizer("smollm2")
+    for chat_template in (None, template):
+        config = LLMProcessorConfig(model_source="smollm2", chat_template=chat_template)
+        stage = ChatPromptStage(config.processor_config())
+        out = stage(pa.table({"messages": chats, "prompt": ["old", "old"]}))
+        expected = [
+            tokenizer.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=True, chat_template=chat_template
+            )
+            for chat in chats
+        ]
+        assert out.column("prompt").to_pylist() == expected
+        assert out.column_names == ["messages", "prompt"]
