@@ -149,6 +149,12 @@ class SamplingParams:
     temperature). `logit_bias` adds a bias in [-100, 100] to chosen token ids' logits (a
     mapping token id -> bias, stored as sorted (id, bias) pairs; the engine checks the ids
     against its vocabulary).
+
+    Several samples per prompt, as vLLM: `n` completions are returned; with `best_of` (>= n),
+    best_of are generated and the n with the highest cumulative logprob returned. The samples
+    share the prompt's prefilled KV (actors/samples.py). With a `seed`, sample i draws from
+    seed + i (wrapped into the seed range), so each sample is reproducible and sample 0 is the
+    n=1 draw.
     """
 
     max_tokens: int = 16
@@ -166,6 +172,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         # The one place where sampling values are bounded (the job's error rows and Serve's
@@ -212,6 +220,14 @@ class SamplingParams:
             )
         _float_in("min_p", self.min_p, 0.0, 1.0)
         object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
+        _int_in("n", self.n, 1, MAX_SAMPLES)
+        if self.best_of is not None:
+            _int_in("best_of", self.best_of, self.n, MAX_SAMPLES, "(at least n)")
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the prompt: best_of when set, else n."""
+        return self.best_of or self.n
 
     @property
     def penalised(self) -> bool:
@@ -233,6 +249,7 @@ MAX_INT32 = 2**31 - 1
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 MAX_TEMPERATURE = 1e4
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_SAMPLES = 128  # n and best_of at most: each sample is a running sequence
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
 # The sampler works on float32 logits (the model runner casts them). repetition_penalty
 # divides and multiplies them, so it and its reciprocal must be normal float32 numbers: 2**-126

@@ -15,16 +15,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from actors import architectures, generation_defaults, limits, loader
+from actors import generation_defaults, limits
 from actors.config import EngineConfig, SamplingParams
 from actors.detokenizer import Detokenizer
-from actors.dtypes import resolve_dtype
+from actors.engine_setup import load_for_engine
 from actors.model_runner import ModelRunner, StepRunner
 from actors.outputs import FinishReason, RequestOutput, TokenLogprob
 from actors.prefix_sharing import plan_groups, planned_order
 from actors.request import Request, RequestStatus, SharedPrefixState
 from actors.rope import RopePolicy
 from actors.sampler import Sampler
+from actors.samples import SampleBook, fork_samples, per_prompt_params, sample_id
 from actors.scheduler import SchedulerOutput
 from actors.stats import EngineStats, StepStats
 from actors.tokenization import encode_text
@@ -59,29 +60,7 @@ class LLMEngine:
         """`compiled_graph` (pp > 1 only): True runs steps through a Ray compiled graph, False
         through one Ray task per worker per step, None chooses (`actors.parallel.pipelined`)."""
         self.config = config = config or EngineConfig()
-        if config.world_size > 1:  # workers load the weights; this is the skeleton only
-            from actors.parallel.placement import worker_device
-            from actors.parallel.weights import check_shapes, meta_model
-
-            if model is not None:
-                raise ValueError(
-                    "tensor/pipeline parallel engines load config.model; pass no model"
-                )
-            model = meta_model(config, torch.float32)
-            check_shapes(model, config.tensor_parallel_size, config.pipeline_parallel_size)
-            device = worker_device(config)  # the workers', not this actor's (it has no GPU)
-        else:
-            device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if config.world_size > 1:
-            dtype = resolve_dtype(config.dtype, device)
-            model = model.to(dtype)
-        elif model is None:
-            dtype = resolve_dtype(config.dtype, device)
-            model = loader.load_model(config.model, dtype, device, config.trust_remote_code)
-        # Any model, given or loaded: one that would run wrong is refused (UnsupportedModelError).
-        architectures.check_model(model, config.tensor_parallel_size, config.pipeline_parallel_size)
-        if tokenizer is None:
-            tokenizer = loader.load_tokenizer(config.model, config.trust_remote_code)
+        model, tokenizer, dtype = load_for_engine(config, model, tokenizer)
         self.tokenizer = tokenizer
         self.model = model
         self.rope = RopePolicy.of(model)  # None unless the rope depends on the length
@@ -115,23 +94,14 @@ class LLMEngine:
         self._last_step_end = 0.0
         self.sampler = Sampler(limits.eos_token_ids(model, tokenizer), seed=config.seed)
         # The model's own sampling defaults (actors/generation_defaults.py), for callers that
-        # build requests field by field (Serve's unset fields).
-        self.sampling_defaults = generation_defaults.sampling_defaults(
-            getattr(model, "generation_config", None), config.generation_config
-        )
-        # a request without params gets them, as vLLM's LLM.generate without sampling_params
-        try:
-            self.default_params = SamplingParams(**self.sampling_defaults)
-        except ValueError as exc:
-            raise ValueError(
-                f"{config.model}'s generation_config.json: {exc} (--generation-config vllm "
-                "ignores it)"
-            ) from exc
-        generation_defaults.log_choice(
-            config.model, config.generation_config, self.sampling_defaults
+        # build requests field by field (Serve's unset fields); `default_params` for a request
+        # without params, as vLLM's LLM.generate without sampling_params.
+        self.sampling_defaults, self.default_params = generation_defaults.engine_defaults(
+            model, config
         )
         self.detokenizer = Detokenizer(tokenizer)
         self._requests: dict[str, Request] = {}  # unfinished user requests
+        self._samples = SampleBook()  # prompts with several samples (SamplingParams.n)
         self._pending: list[RequestOutput] = []  # finished outside a step (errors, aborts)
         self._next_id = 0
         self._stats = StepStats()
@@ -157,18 +127,23 @@ class LLMEngine:
     ) -> str:
         """Queue a request; returns its id. A text prompt is tokenized as `tokenizer(prompt)`
         (actors/tokenization.py: the tokenizer's special tokens included). A prompt that cannot run (empty, too long for the
-        context, unknown token ids) finishes at once with `finish_reason="error"`."""
+        context, unknown token ids) finishes at once with `finish_reason="error"`. With
+        `params.n` > 1 its samples share one prefill (actors/samples.py); their outputs carry
+        this id and `sample_index`."""
+        if params is not None and params.num_samples > 1:
+            return self._queue([prompt], [params], (), request_id)[0]
         return self._add(prompt, params, request_id, group=None).request_id
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks (e.g. its client went away); unknown ids are
         ignored. Its final output (`finish_reason="abort"`) comes from the next `step`."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return
-        self.scheduler.finish([req], "abort")  # a step in flight skips it when it returns
-        self._finish_time(req)
-        self._pending.append(self._output(req))
+        for rid in self._samples.sample_ids(request_id):
+            req = self._requests.pop(rid, None)
+            if req is None:
+                continue
+            self.scheduler.finish([req], "abort")  # a step in flight skips it when it returns
+            self._finish_time(req)
+            self._pending.append(self._output(req))
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running (or has an output not yet returned,
@@ -197,7 +172,7 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         self._fill(outputs)
         if not self._in_flight:
-            return outputs
+            return self._samples.outputs(outputs)
         index, sched, handle, submitted = self._in_flight.popleft()
         started = max(submitted, self._last_step_end)  # overlapping steps counted once
         sampling, logits = self.runner.collect(handle)
@@ -212,7 +187,7 @@ class LLMEngine:
             )
         if self.runner.max_in_flight > 1:
             self._fill(outputs)  # the set just sampled can go again before we wait
-        return outputs
+        return self._samples.outputs(outputs)
 
     def _fill(self, outputs: list[RequestOutput]) -> None:
         """Schedule and submit a step for each idle request set with work, in turn, up to the
@@ -286,28 +261,39 @@ class LLMEngine:
         tokens: the prefix is computed once and its KV blocks shared by the members. Groups
         may nest (`PrefixGroup.parent`, as `packing.prefix_forest` makes them): a nested
         group's prefix extends its parent's, computing only its own extra tokens, and each
-        prompt starts from the deepest group that holds it.
+        prompt starts from the deepest group that holds it. A prompt with `n` (or `best_of`)
+        > 1 is queued as that many samples in a group of their own (actors/samples.py).
         """
-        if params is None or isinstance(params, SamplingParams):
-            per_prompt = [params or self.default_params] * len(prompts)
-        else:
-            per_prompt = list(params)
-            if len(per_prompt) != len(prompts):
-                raise ValueError(
-                    f"params must be one SamplingParams or one per prompt: {len(prompts)} "
-                    f"prompts, {len(per_prompt)} params"
-                )
-        token_ids = [self._try_tokenize(p) for p in prompts]  # None: _add reports the error
-        groups = plan_groups(
-            [ids or [] for ids in token_ids],
+        return self._queue(
+            prompts,
+            per_prompt_params(params, len(prompts), self.default_params),
             prefix_groups or (),
+            None,
+        )
+
+    def _queue(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        per_prompt: list[SamplingParams],
+        prefix_groups: Sequence[PrefixGroup],
+        request_id: str | None,  # the one prompt's id (add_request), else new ids
+    ) -> list[str]:
+        token_ids = [self._try_tokenize(p) for p in prompts]  # None: _add reports the error
+        fork = fork_samples(
+            token_ids, per_prompt, prefix_groups, lambda ids: self._check_prompt(ids) is None
+        )
+        groups = plan_groups(
+            [token_ids[i] or [] for i in fork.origin],
+            fork.groups,
             runnable=lambda ids: self._check_prompt(ids) is None,
             new_id=lambda: self._new_id("prefix"),
             cache_salt=self.rope.cache_salt if self.rope is not None else None,
         )
-        ids = [""] * len(prompts)
+        ids = [request_id or self._new_id("req") for _ in prompts]
+        for rid, prompt_params in zip(ids, per_prompt, strict=True):
+            self._samples.add(rid, prompt_params)
         queued: set[int] = set()
-        for index in planned_order(len(prompts), prefix_groups or ()):
+        for index in planned_order(len(fork.origin), fork.groups):
             chain = []  # the prompt's groups not queued yet, innermost first
             group = groups.get(index)
             while group is not None and id(group) not in queued:
@@ -316,9 +302,12 @@ class LLMEngine:
             for group in reversed(chain):  # a shared prefix runs before its members
                 self.scheduler.add(group.prefix)
                 queued.add(id(group))
-            tokens = token_ids[index]
-            prompt = prompts[index] if tokens is None else tokens
-            ids[index] = self._add(prompt, per_prompt[index], None, group).request_id
+            origin, sample = fork.origin[index], fork.sample_index[index]
+            tokens = token_ids[origin]
+            prompt = prompts[origin] if tokens is None else tokens
+            rid = sample_id(ids[origin], sample, per_prompt[origin].num_samples)
+            parent = None if rid == ids[origin] else (ids[origin], sample)
+            self._add(prompt, fork.params[index], rid, group, parent)
         return ids
 
     def generate(
@@ -328,15 +317,16 @@ class LLMEngine:
         prefix_groups: Sequence[PrefixGroup] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt to completion (`add_prompts`, then `step` until they
-        finish); outputs in input order."""
-        ids = self.add_prompts(prompts, params, prefix_groups)
-        results: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        while self.has_unfinished() and len(results) < len(wanted):
+        finish); outputs in input order, a prompt's `n` samples one after the other."""
+        per_prompt = per_prompt_params(params, len(prompts), self.default_params)
+        ids = self.add_prompts(prompts, per_prompt, prefix_groups)
+        wanted = {rid: p.n for rid, p in zip(ids, per_prompt, strict=True)}
+        results: dict[tuple[str, int], RequestOutput] = {}
+        while self.has_unfinished() and len(results) < sum(wanted.values()):
             for out in self.step():
                 if out.finished and out.request_id in wanted:
-                    results[out.request_id] = out
-        return [results[i] for i in ids]
+                    results[out.request_id, out.sample_index] = out
+        return [results[rid, s] for rid in ids for s in range(wanted[rid])]
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -357,9 +347,11 @@ class LLMEngine:
         params: SamplingParams | None,
         request_id: str | None,
         group: SharedPrefixState | None,
+        sample: tuple[str, int] | None = None,  # (the caller's request id, sample index)
     ) -> Request:
         """Queue a request, or finish it at once with an error: a prompt that cannot run, or
         anything that raises while the request is built (only this request fails)."""
+        parent_id, sample_index = sample or (None, 0)
         if request_id is None:
             request_id = self._new_id("req")
         elif request_id in self._requests:
@@ -368,12 +360,14 @@ class LLMEngine:
         try:
             ids = self._tokenize(prompt)
             req = Request(request_id, ids, params or self.default_params, group=group)
+            req.parent_id, req.sample_index = parent_id, sample_index
             if self.rope is not None:
                 req.cache_salt = self.rope.cache_salt(req.rope_len)
             self.detokenizer.start(req)
         except Exception as exc:  # noqa: BLE001 (this request's fault; the engine goes on)
             logger.exception("request %s could not be admitted", request_id)
             req = Request(request_id, ids, SamplingParams(), group=group)
+            req.parent_id, req.sample_index = parent_id, sample_index
             return self._reject(req, f"admitting the request failed: {_describe(exc)}")
         error = self._check_prompt(req.prompt_token_ids)
         if error is not None:
@@ -477,7 +471,7 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(
-            request_id=req.request_id,
+            request_id=req.parent_id or req.request_id,
             num_prompt_tokens=req.num_prompt_tokens,
             token_ids=tuple(req.token_ids[req.num_prompt_tokens :]),
             text=req.text,
@@ -490,6 +484,10 @@ class LLMEngine:
             error=req.error,
             logprobs=tuple(req.logprobs) if req.logprobs is not None else None,
             prompt_token_ids=tuple(req.prompt_token_ids),
+            sample_index=req.sample_index,
+            cumulative_logprob=(
+                None if req.logprobs is None else sum(lp.logprob for lp in req.logprobs)
+            ),
         )
 
 

@@ -66,3 +66,22 @@ def log_choice(model: str, mode: GenerationConfigMode, defaults: dict[str, Any])
         )
     else:
         logger.info("%s's generation config sets no sampling defaults", model)
+
+
+def engine_defaults(model: Any, config: Any) -> tuple[dict[str, Any], Any]:
+    """An engine's sampling defaults (the fields, and the `SamplingParams` a request without
+    params gets) from its loaded `model`'s generation config, as `config.generation_config`
+    says; logged once. An out-of-range value in the file is a ValueError naming it."""
+    from actors.config import SamplingParams
+
+    defaults = sampling_defaults(
+        getattr(model, "generation_config", None), config.generation_config
+    )
+    try:
+        params = SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(
+            f"{config.model}'s generation_config.json: {exc} (--generation-config vllm ignores it)"
+        ) from exc
+    log_choice(config.model, config.generation_config, defaults)
+    return defaults, params

@@ -25,6 +25,9 @@ class RequestOutput:
     far); when True, `finish_reason` says why: `stop` (EOS, a stop token or a stop string),
     `length` (max_tokens or the context end), `error` (see `error`), `abort`.
     Times are `time.monotonic()` seconds; `first_token_time` is None until a token exists.
+    A prompt with several samples (`SamplingParams.n`) has one output per sample, all with
+    its `request_id` and `sample_index` 0..n-1 (actors/samples.py); `cumulative_logprob` is
+    the sum of the sampled tokens' logprobs when they were computed.
     """
 
     request_id: str
@@ -40,6 +43,8 @@ class RequestOutput:
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    sample_index: int = 0
+    cumulative_logprob: float | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -68,6 +68,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     is_prefix: bool = False
     group: SharedPrefixState | None = None  # its prefix group's state (a prefix request: its own)
+    # A sample of a prompt with several (actors/samples.py): the caller's id and its index.
+    parent_id: str | None = None
+    sample_index: int = 0
     token_ids: list[int] = field(init=False)  # prompt + generated, the sequence itself
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the cache; -1 until admitted

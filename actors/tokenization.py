@@ -13,6 +13,10 @@
   the plain path, so their ids are exactly Hugging Face's. `allow_special_tokens=True` (an
   operator's opt-in: `allow_special_tokens_in_messages` of the job and of Serve) gives Hugging
   Face's default for every message.
+- `chat_template` (a Jinja template's text) replaces the tokenizer's own and
+  `template_kwargs` (e.g. Qwen3's `enable_thinking`) reach the template as variables, both
+  passed to `apply_chat_template` as Hugging Face takes them (vLLM's `chat_template` and
+  `chat_template_kwargs`).
 """
 
 from __future__ import annotations
@@ -50,13 +54,18 @@ def encode_chat(
     add_generation_prompt: bool = True,
     add_special_tokens: bool = False,
     allow_special_tokens: bool = False,
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """`apply_chat_template(messages, add_generation_prompt=..., tokenize=True)`, with
-    message text that spells a control token encoded as plain text unless
-    `allow_special_tokens`. ChatTemplateError when the template rejects the messages."""
+    """`apply_chat_template(messages, add_generation_prompt=..., tokenize=True,
+    chat_template=..., **template_kwargs)`, with message text that spells a control token
+    encoded as plain text unless `allow_special_tokens`. ChatTemplateError when the template
+    rejects the messages."""
     conversation = [dict(m) for m in messages]
     sanitize = not allow_special_tokens and _holds_added_token(tokenizer, conversation)
-    extra = {"sanitize_control_tokens": True} if sanitize else {}
+    extra = _template_args(chat_template, template_kwargs)
+    if sanitize:
+        extra["sanitize_control_tokens"] = True
     try:
         ids = tokenizer.apply_chat_template(
             conversation,
@@ -74,15 +83,44 @@ def encode_chat(
     return out
 
 
-def render_chat(tokenizer: Any, messages: Messages, *, add_generation_prompt: bool = True) -> str:
+def render_chat(
+    tokenizer: Any,
+    messages: Messages,
+    *,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
     """The chat template's text for `messages` (for display; `encode_chat` tokenizes)."""
     try:
         text = tokenizer.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
+            [dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **_template_args(chat_template, template_kwargs),
         )
     except Exception as exc:  # noqa: BLE001
         raise ChatTemplateError(str(exc) or type(exc).__name__) from exc
     return str(text)
+
+
+def _template_args(
+    chat_template: str | None, template_kwargs: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The keyword arguments of `apply_chat_template` for a template override and the
+    template's own variables (the template sees every extra keyword)."""
+    reserved = {  # apply_chat_template's own arguments, which we set
+        "conversation", "chat_template", "tokenize", "add_generation_prompt", "return_dict",
+        "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }  # fmt: skip
+    clash = sorted(reserved & set(template_kwargs or {}))
+    if clash:
+        raise ChatTemplateError(f"chat_template_kwargs cannot set {clash}")
+    args: dict[str, Any] = dict(template_kwargs or {})
+    if chat_template is not None:
+        args["chat_template"] = chat_template
+    return args
 
 
 def special_tokens_around(tokenizer: Any) -> tuple[list[int], list[int]]:

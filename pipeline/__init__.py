@@ -10,9 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.processor import Processor, ProcessorConfig, build_processor
+    from pipeline.processor import (
+        LLMProcessorConfig,
+        Processor,
+        ProcessorConfig,
+        build_processor,
+    )
 
-__all__ = ["Processor", "ProcessorConfig", "build_processor"]
+__all__ = ["LLMProcessorConfig", "Processor", "ProcessorConfig", "build_processor"]
 
 
 def __getattr__(name: str) -> Any:

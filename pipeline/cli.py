@@ -134,6 +134,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, help="sampling seed (default: none, not reproducible)")
     s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    s.add_argument(
+        "--n",
+        type=int,
+        default=d.n,
+        help="samples per row, one output row each (same id, a sample_index column); the "
+        "row's prompt is prefilled once; with --seed, sample i draws from seed + i",
+    )
+    s.add_argument(
+        "--best-of",
+        type=int,
+        help="generate this many samples per row and keep the --n with the highest "
+        "cumulative logprob (default: --n)",
+    )
 
     plan, compute = PlanConfig(), ComputeConfig()
     p = parser.add_argument_group("plan")
@@ -304,6 +317,8 @@ def job_sampling(args: argparse.Namespace) -> SamplingParams:
             seed=args.seed,
             stop=tuple(args.stop),
             ignore_eos=args.ignore_eos,
+            n=args.n,
+            best_of=args.best_of,
             **{**model, **given},
         )
     except ValueError as exc:

@@ -7,9 +7,10 @@ need. Nothing here touches Ray, the filesystem or the model.
 from __future__ import annotations
 
 import dataclasses
+import json
 import string
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from actors.config import EngineConfig, SamplingParams
 
@@ -58,6 +59,11 @@ class PromptConfig:
     (each named like a SamplingParams field: `--sampling-columns temperature,max_tokens`; a
     column that merely has such a name is not used) and from `sampling_column` (a dict, or
     JSON text, of SamplingParams fields per row).
+
+    `chat_template` (a Jinja template's text) replaces the tokenizer's chat template and
+    `chat_template_kwargs` (e.g. `{"enable_thinking": false}` for Qwen3) are passed to it, as
+    `apply_chat_template(..., chat_template=..., **chat_template_kwargs)` takes them (vLLM's
+    names); both only for chat prompts.
     """
 
     prompt_column: str | None = None
@@ -73,8 +79,16 @@ class PromptConfig:
     allow_special_tokens_in_messages: bool = False
     override_columns: tuple[str, ...] = ()
     sampling_column: str | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        check_chat_template(self.chat_template, self.chat_template_kwargs)
+        if (self.chat_template or self.chat_template_kwargs) and not self.uses_chat_template:
+            raise ValueError(
+                "chat_template / chat_template_kwargs apply to chat prompts: set chat or "
+                "messages_column"
+            )
         given = [
             name
             for name, value in (
@@ -133,6 +147,21 @@ class PromptConfig:
     def uses_chat_template(self) -> bool:
         """True when the prompt text comes out of the tokenizer's chat template."""
         return self.chat or self.messages_column is not None
+
+
+def check_chat_template(template: object, kwargs: object) -> None:
+    """ValueError unless `template` is None or non-empty text and `kwargs` None or a JSON
+    object (names to JSON values): what a job's lineage can record."""
+    if template is not None and (not isinstance(template, str) or not template.strip()):
+        raise ValueError(f"chat_template must be a template's text, got {str(template)[:80]!r}")
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must map names to values, got {kwargs!r}"[:200])
+    try:
+        json.dumps(kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"chat_template_kwargs must be JSON values: {exc}") from None
 
 
 @dataclass(frozen=True)

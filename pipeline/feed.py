@@ -44,7 +44,18 @@ class _Shard:
     future: Future = field(default_factory=Future)
     attempts: int = 0  # engines it has been queued on
     request_ids: list[str] = field(default_factory=list)
-    results: dict[str, RequestOutput] = field(default_factory=dict)
+    # A prompt's outputs, one per sample (SamplingParams.n), by sample index.
+    results: dict[str, dict[int, RequestOutput]] = field(default_factory=dict)
+    num_results: int = 0
+    num_samples: dict[str, int] = field(default_factory=dict)  # request id -> its n
+
+    def expected(self) -> int:
+        """Outputs the shard ends with: `n` per prompt."""
+        return sum(self.num_samples.values())
+
+    def outputs(self) -> list[RequestOutput]:
+        """In prompt order, a prompt's samples one after the other."""
+        return [out for rid in self.request_ids for _, out in sorted(self.results[rid].items())]
 
 
 class EngineFeed:
@@ -79,7 +90,8 @@ class EngineFeed:
     def submit(
         self, shard_id: str, prompts: Sequence, params: Sequence[SamplingParams], groups: list
     ) -> Future:
-        """Queue a shard; the future gives its outputs in prompt order (or the engine's error)."""
+        """Queue a shard; the future gives its outputs in prompt order, `n` per prompt one
+        after the other (or the engine's error)."""
         shard = _Shard(shard_id, list(prompts), list(params), list(groups))
         with self._lock:
             if self._thread is None:
@@ -118,11 +130,15 @@ class EngineFeed:
     def _admit(self, shard: _Shard) -> None:
         shard.attempts += 1
         shard.results.clear()
+        shard.num_results = 0
         try:
             shard.request_ids = self.engine.add_prompts(shard.prompts, shard.params, shard.groups)
         except Exception as exc:  # noqa: BLE001 (the shard's rows carry the error)
             shard.future.set_exception(exc)
             return
+        shard.num_samples = {
+            rid: p.n for rid, p in zip(shard.request_ids, shard.params, strict=True)
+        }
         self._shards.append(shard)
         for rid in shard.request_ids:
             self._active[rid] = shard
@@ -140,13 +156,17 @@ class EngineFeed:
         for out in outputs:
             if not out.finished:
                 continue
-            shard = self._active.pop(out.request_id, None)
+            shard = self._active.get(out.request_id)
             if shard is None:
                 continue
-            shard.results[out.request_id] = out
-            if len(shard.results) == len(shard.request_ids):
+            samples = shard.results.setdefault(out.request_id, {})
+            samples[out.sample_index] = out
+            shard.num_results += 1
+            if len(samples) == shard.num_samples[out.request_id]:
+                del self._active[out.request_id]
+            if shard.num_results == shard.expected():
                 self._shards.remove(shard)
-                shard.future.set_result([shard.results[r] for r in shard.request_ids])
+                shard.future.set_result(shard.outputs())
 
     def _restart(self, exc: WorkerFailedError) -> None:
         """A fresh engine; every shard that was in the failed one is queued again."""

@@ -1,4 +1,4 @@
-"""The engine actor stage: whole shard rows in, one output row per member out.
+"""The engine actor stage: whole shard rows in, one output row per member (per sample) out.
 
 Each actor loads its engine once and keeps it across shards. The actor runs several shard
 tasks at once (`max_concurrent_calls_per_actor` in pipeline/processor.py); each hands its shard to
@@ -16,6 +16,11 @@ engine (new workers, in the same placement group) and redoes the shards that wer
 to `engine_retries` times each; past that the error fails the job, with the cause, rather
 than losing the shard. Any other exception from the engine ends the rows of the shards in it
 with `error` set rather than failing the job.
+
+A row with several samples (`SamplingParams.n` > 1) gives one output row per sample, each
+with the row's id and its `sample_index` (0..n-1), in one shard: a shard is written whole, so
+a row is either done with all its samples or not at all (a resumed job never writes a sample
+twice). An error row is one row, sample_index 0.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ LOGPROBS_TYPE = pa.list_(
 class InferStage(Stage):
     """Ray Data callable class for an actor pool; tests pass a ready `engine`. With
     `with_logprobs`, each row also gets its per-token `logprobs` (token id, log-probability,
-    and the top alternatives; null for an error row)."""
+    and the top alternatives; null for an error row); with `with_samples`, a
+    `sample_index` column (rows with n > 1 need it: their samples share the row's id)."""
 
     name = "infer"
 
@@ -64,6 +70,7 @@ class InferStage(Stage):
         torch_threads: int | None = None,
         engine_retries: int = 1,
         with_logprobs: bool = False,
+        with_samples: bool = False,
         engine=None,  # noqa: ANN001 (actors.LLMEngine or a stand-in)
     ):
         setup_worker_logging()
@@ -76,6 +83,7 @@ class InferStage(Stage):
         self.text_column = text_column
         self.keep_columns = tuple(keep_columns)
         self.with_logprobs = with_logprobs
+        self.with_samples = with_samples
         self.feed = EngineFeed(
             engine if engine is not None else self._new_engine(),
             self._new_engine,
@@ -128,7 +136,7 @@ class InferStage(Stage):
 
     def process(self, batch: pa.Table) -> pa.Table:
         if batch.num_rows == 0:  # keep the kept columns' types in the empty result
-            return self._rows(batch, "", _Members.of(batch), [], ShardGroups())
+            return self._rows(batch, "", _Members.of(batch), [], [], ShardGroups())
         return pa.concat_tables([self.run_shard(batch.slice(i, 1)) for i in range(batch.num_rows)])
 
     def run_shard(self, shard: pa.Table) -> pa.Table:
@@ -143,7 +151,7 @@ class InferStage(Stage):
         # The planner puts rows with an error in shards of their own, so in a shard with
         # groups every row reaches the engine and shard row i is prompt i.
         assert len(runnable) == len(members.ids) or not groups.engine
-        outputs: list[RequestOutput | None] = [None] * len(members.ids)
+        outputs: list[list[RequestOutput]] = [[] for _ in members.ids]  # per member, n each
         started = time.perf_counter()
         if runnable:
             prompts = [members.token_ids[i] for i in runnable]
@@ -160,9 +168,14 @@ class InferStage(Stage):
                 for i in runnable:
                     members.errors[i] = f"engine failed: {type(exc).__name__}: {exc}"
             else:
-                for i, out in zip(runnable, results, strict=True):
-                    outputs[i] = out
-        table = self._rows(shard, shard_id, members, outputs, groups)
+                done = iter(results)
+                for i, p in zip(runnable, params, strict=True):
+                    outputs[i] = [next(done) for _ in range(p.n)]
+                # The config asks for the column whenever a row can have n > 1.
+                assert self.with_samples or all(len(o) <= 1 for o in outputs)
+        rows = [i for i, outs in enumerate(outputs) for _ in range(max(1, len(outs)))]
+        flat = [out for outs in outputs for out in (outs or [None])]
+        table = self._rows(shard, shard_id, members, rows, flat, groups)
         self._log(shard_id, table, len(groups.engine), time.perf_counter() - started)
         return table
 
@@ -171,11 +184,13 @@ class InferStage(Stage):
         shard: pa.Table,
         shard_id: str,
         members: _Members,
+        rows: list[int],  # per output row, its member (a member has a row per sample)
         outputs: list[RequestOutput | None],
         groups: ShardGroups,
     ) -> pa.Table:
-        n = len(members.ids)
-        errors, num_prompt = members.errors, list(members.num_prompt_tokens)
+        n = len(rows)
+        errors = [members.errors[m] for m in rows]
+        num_prompt = [members.num_prompt_tokens[m] for m in rows]
         text: list[str | None] = [None] * n
         token_ids: list[list[int]] = [[] for _ in range(n)]
         reasons = ["error"] * n
@@ -189,9 +204,15 @@ class InferStage(Stage):
             ttft[i] = out.time_to_first_token
             errors[i] = out.error if out.error is not None else errors[i]
             num_prompt[i] = out.num_prompt_tokens or num_prompt[i]
-        columns: dict[str, pa.Array] = {stage.ID: pa.array(members.ids, pa.string())}
+        ids = [members.ids[m] for m in rows]
+        columns: dict[str, pa.Array] = {stage.ID: pa.array(ids, pa.string())}
+        if self.with_samples:
+            samples = [0 if out is None else out.sample_index for out in outputs]
+            columns[stage.SAMPLE_INDEX] = pa.array(samples, pa.int32())
         for name in self.keep_columns:
-            columns[name] = shard.column(name).combine_chunks().flatten()
+            kept = shard.column(name).combine_chunks().flatten()
+            columns[name] = kept if rows == list(range(len(kept))) else kept.take(rows)
+        first_level, shared = groups.first_level_of_rows(), groups.shared_prefix_lens()
         columns.update(
             {
                 self.text_column: pa.array(text, pa.string()),
@@ -204,9 +225,9 @@ class InferStage(Stage):
                 stage.ERROR: pa.array(errors, pa.string()),
                 stage.SHARD: pa.array([shard_id] * n, pa.string()),
                 stage.PREFIX_GROUP: pa.array(
-                    [f"{shard_id}/{g}" for g in groups.first_level_of_rows()], pa.string()
+                    [f"{shard_id}/{first_level[m]}" for m in rows], pa.string()
                 ),
-                stage.SHARED_PREFIX_LEN: pa.array(groups.shared_prefix_lens(), pa.int32()),
+                stage.SHARED_PREFIX_LEN: pa.array([shared[m] for m in rows], pa.int32()),
             }
         )
         if self.with_logprobs:

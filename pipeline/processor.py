@@ -19,7 +19,7 @@ stops the dataset.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from actors.config import EngineConfig
@@ -28,9 +28,22 @@ from pipeline.engine_actor import default_torch_threads, engine_actor_args, shar
 from pipeline.infer import InferStage
 from pipeline.processor_config import ProcessorConfig
 from pipeline.processor_stages import INPUT, IntakeStage, OutflowStage, TokenIdsStage
+from pipeline.ray_llm import (
+    SAMPLING_PARAMS,
+    ChatPromptStage,
+    LLMProcessorConfig,
+    RayColumnsStage,
+)
 from pipeline.tokenize import TokenizeStage
 
-__all__ = ["Processor", "ProcessorConfig", "build_processor", "model_facts"]
+__all__ = [
+    "LLMProcessorConfig",
+    "Processor",
+    "ProcessorConfig",
+    "build_processor",
+    "model_facts",
+]
+Row = dict[str, Any]
 
 
 class Processor:
@@ -40,13 +53,51 @@ class Processor:
     asked. `engine_rows` is the path in between, which the offline job runs too.
 
     `facts` (context length, vocabulary size) when the caller has read them already
-    (`model_facts`); else they are read on first use."""
+    (`model_facts`); else they are read on first use. `preprocess` / `postprocess` (Ray Data
+    LLM's): a function of a row applied before (`ds.map`) and after; `before` a stage run on
+    the rows the preprocess returns; `ray_columns` renames the output columns as Ray Data LLM
+    names them (`pipeline.ray_llm`)."""
 
-    def __init__(self, config: ProcessorConfig, *, facts: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        config: ProcessorConfig,
+        *,
+        facts: tuple[int, int] | None = None,
+        preprocess: Callable[[Row], Row] | None = None,
+        postprocess: Callable[[Row], Row] | None = None,
+        before: ChatPromptStage | None = None,
+        ray_columns: RayColumnsStage | None = None,
+    ):
         self.config = config
         self._model = facts
+        self.preprocess = preprocess
+        self.postprocess = postprocess
+        self.before = before
+        self.ray_columns = ray_columns
 
     def __call__(self, ds):  # noqa: ANN001, ANN204 (ray.data.Dataset in and out)
+        if self.preprocess is not None:
+            ds = ds.map(_with_sampling_params(self.preprocess))
+        if self.before is not None:
+            ds = ds.map_batches(
+                self.before,
+                batch_format="pyarrow",
+                batch_size=256,
+                num_cpus=self.config.compute.task_num_cpus,
+            )
+        ds = self._generate(ds)
+        if self.ray_columns is not None:
+            ds = ds.map_batches(
+                self.ray_columns,
+                batch_format="pyarrow",
+                batch_size=None,
+                num_cpus=self.config.compute.task_num_cpus,
+            )
+        if self.postprocess is not None:
+            ds = ds.map(self.postprocess)
+        return ds
+
+    def _generate(self, ds):  # noqa: ANN001, ANN202 (ray.data.Dataset in and out)
         import ray
 
         config = self.config
@@ -163,11 +214,13 @@ class Processor:
                     torch_threads=compute.torch_threads or threads,
                     engine_retries=compute.engine_retries,
                     with_logprobs=config.with_logprobs,
+                    with_samples=config.with_samples,
                 ),
                 batch_format="pyarrow",
                 batch_size=1,
                 compute=ray.data.ActorPoolStrategy(
-                    size=compute.num_actors,
+                    min_size=config.actor_pool_size[0],
+                    max_size=config.actor_pool_size[1],
                     # Several shards in one actor at once, so the next shard's prompts join
                     # the running batch while the last ones decode (pipeline/feed.py).
                     max_concurrent_calls_per_actor=in_flight,
@@ -233,9 +286,37 @@ class Processor:
         )
 
 
-def build_processor(config: ProcessorConfig) -> Processor:
-    """The processor for `config`: call it on a `ray.data.Dataset` (see `Processor`)."""
-    return Processor(config)
+def build_processor(
+    config: ProcessorConfig | LLMProcessorConfig,
+    preprocess: Callable[[Row], Row] | None = None,
+    postprocess: Callable[[Row], Row] | None = None,
+) -> Processor:
+    """The processor for `config`: call it on a `ray.data.Dataset` (see `Processor`). With
+    an `LLMProcessorConfig` (Ray Data LLM's call shape, `pipeline.ray_llm`), rows come out
+    with Ray Data LLM's column names; `preprocess` and `postprocess` work with either."""
+    if isinstance(config, LLMProcessorConfig):
+        inner = config.processor_config()
+        return Processor(
+            inner,
+            preprocess=preprocess,
+            postprocess=postprocess,
+            before=ChatPromptStage(inner) if inner.messages_column else None,
+            ray_columns=RayColumnsStage(detokenize=config.detokenize),
+        )
+    return Processor(config, preprocess=preprocess, postprocess=postprocess)
+
+
+def _with_sampling_params(preprocess: Callable[[Row], Row]) -> Callable[[Row], Row]:
+    """The preprocess, its rows given a null `sampling_params` when it sets none (Ray Data
+    LLM's rows may leave it out: the defaults apply)."""
+
+    def run(row: Row) -> Row:
+        out = preprocess(row)
+        if isinstance(out, dict) and SAMPLING_PARAMS not in out:
+            out = {**out, SAMPLING_PARAMS: None}
+        return out
+
+    return run
 
 
 def model_facts(engine: EngineConfig) -> tuple[int, int]:

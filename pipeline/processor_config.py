@@ -5,6 +5,7 @@ keyed rows to the engine's rows that the processor and the offline job share
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from actors.config import EngineConfig, SamplingParams
 from pipeline import stage
@@ -24,7 +25,9 @@ class ProcessorConfig:
     prompts are tokenized as `tokenizer(text)` (the tokenizer's special tokens, e.g. BOS;
     `add_special_tokens=False` leaves them out), chats as `apply_chat_template(...,
     tokenize=True)` (actors/tokenization.py), text in messages that spells a special token as
-    plain text unless `allow_special_tokens_in_messages`.
+    plain text unless `allow_special_tokens_in_messages`; `chat_template` (a template's
+    text) replaces the tokenizer's and `chat_template_kwargs` reach the template (vLLM's
+    names, e.g. `{"enable_thinking": False}` for Qwen3).
 
     Defaults: `engine` EngineConfig() (the embedded SmolLM2-135M-Instruct), `sampling`
     SamplingParams() (greedy, max_tokens 16; `logprobs=k` adds the `logprobs` column),
@@ -32,7 +35,8 @@ class ProcessorConfig:
     carried like any other column), `override_columns` () (no per-row sampling unless named:
     columns named like SamplingParams fields), `sampling_column` None (a dict or JSON of such
     fields per row), `text_column` "generated_text" (the generated text's column),
-    `concurrency` 1 (engine actors), `plan` PlanConfig() (prefix grouping on, nested groups,
+    `concurrency` 1 (engine actors: a number, or `(min, max)` for an actor pool Ray Data
+    grows and shrinks between the two, as in Ray Data LLM), `plan` PlanConfig() (prefix grouping on, nested groups,
     64-token prefix keys, shards of at most 256 rows / 65536 prompt tokens, one shuffle
     partition per engine actor unless `plan.num_partitions`), `compute` ComputeConfig()
     (engine actors take a GPU each when the cluster has GPUs, else 0.5 CPU; one tokenizer
@@ -53,11 +57,13 @@ class ProcessorConfig:
     system_prompt: str | None = None
     add_special_tokens: bool = True
     allow_special_tokens_in_messages: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     id_column: str | None = None
     override_columns: tuple[str, ...] = ()
     sampling_column: str | None = None
     text_column: str = "generated_text"
-    concurrency: int = 1
+    concurrency: int | tuple[int, int] = 1
     plan: PlanConfig = field(default_factory=PlanConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
 
@@ -75,11 +81,17 @@ class ProcessorConfig:
                 "give exactly one of prompt_column, prompt_template, messages_column or "
                 f"token_ids_column; got {given or 'none'}"
             )
-        if self.token_ids_column and (self.chat or self.system_prompt):
+        if self.token_ids_column and (self.chat or self.system_prompt or self.chat_template):
             raise ValueError("chat / system_prompt apply to text prompts, not token_ids_column")
-        if not isinstance(self.concurrency, int) or self.concurrency < 1:
-            raise ValueError(f"concurrency must be an integer >= 1, got {self.concurrency!r}")
-        if self.compute.num_actors not in (1, self.concurrency):
+        low, high = self.actor_pool_size
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)) or not (
+            1 <= low <= high
+        ):
+            raise ValueError(
+                f"concurrency must be an integer >= 1 or a (min, max) pair of them with min <= "
+                f"max, got {self.concurrency!r}"
+            )
+        if self.compute.num_actors not in (1, high):
             raise ValueError("set the number of engine actors with concurrency, not compute")
         if not self.text_column:
             raise ValueError("text_column is empty")
@@ -105,6 +117,8 @@ class ProcessorConfig:
             allow_special_tokens_in_messages=prompt.allow_special_tokens_in_messages,
             override_columns=prompt.override_columns,
             sampling_column=prompt.sampling_column,
+            chat_template=prompt.chat_template,
+            chat_template_kwargs=prompt.chat_template_kwargs,
             **kwargs,
         )
 
@@ -123,6 +137,8 @@ class ProcessorConfig:
             allow_special_tokens_in_messages=self.allow_special_tokens_in_messages,
             override_columns=self.override_columns,
             sampling_column=self.sampling_column,
+            chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
 
     @property
@@ -139,10 +155,19 @@ class ProcessorConfig:
         return self.sampling.logprobs is not None or stage.LOGPROBS in self.override_columns
 
     @property
+    def with_samples(self) -> bool:
+        """Whether rows get a `sample_index` column: a row can have several samples (`n` > 1
+        by default, or `n` / `best_of` per row: an override column or the sampling column);
+        each sample is an output row of its own with the row's columns."""
+        per_row = {"n", "best_of"} & set(self.override_columns) or self.sampling_column
+        return self.sampling.num_samples > 1 or bool(per_row)
+
+    @property
     def output_columns(self) -> tuple[str, ...]:
         """What the processor adds to every row, in this order: the text column,
         `generated_token_ids`, `num_prompt_tokens`, `num_generated_tokens`, `finish_reason`,
-        `error`, and `logprobs` when asked."""
+        `error`, `logprobs` when asked, and `sample_index` when a row can have several
+        samples."""
         return (
             self.text_column,
             stage.GENERATED_TOKEN_IDS,
@@ -151,15 +176,23 @@ class ProcessorConfig:
             stage.FINISH_REASON,
             stage.ERROR,
             *((stage.LOGPROBS,) if self.with_logprobs else ()),
+            *((stage.SAMPLE_INDEX,) if self.with_samples else ()),
         )
 
     @property
+    def actor_pool_size(self) -> tuple[int, int]:
+        """The engine actors at least and at most (`concurrency` as a pair)."""
+        if isinstance(self.concurrency, tuple | list) and len(self.concurrency) == 2:
+            return self.concurrency[0], self.concurrency[1]
+        return self.concurrency, self.concurrency  # type: ignore[return-value]
+
+    @property
     def compute_config(self) -> ComputeConfig:
-        """`compute` with `concurrency` engine actors."""
-        return replace(self.compute, num_actors=self.concurrency)
+        """`compute` with the most engine actors `concurrency` allows."""
+        return replace(self.compute, num_actors=self.actor_pool_size[1])
 
     @property
     def num_partitions(self) -> int:
         """Hash partitions of the shuffle by prefix key: `plan.num_partitions`, else one per
-        engine actor."""
-        return self.plan.num_partitions or self.concurrency
+        engine actor (at most)."""
+        return self.plan.num_partitions or self.actor_pool_size[1]

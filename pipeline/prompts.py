@@ -22,7 +22,7 @@ from pipeline.done_ids import DoneIds
 from pipeline.stage import Stage
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-_INT_FIELDS = {"max_tokens", "top_k", "min_tokens", "seed", "logprobs"}
+_INT_FIELDS = {"max_tokens", "top_k", "min_tokens", "seed", "logprobs", "n", "best_of"}
 Prompt = str | list[dict[str, str]]  # a text prompt, or chat messages
 
 
@@ -115,7 +115,12 @@ class PromptBuilder:
         if isinstance(prompt, str):
             return prompt
         try:
-            return render_chat(self.tokenizer, prompt)
+            return render_chat(
+                self.tokenizer,
+                prompt,
+                chat_template=self.config.chat_template,
+                template_kwargs=self.config.chat_template_kwargs,
+            )
         except ChatTemplateError as exc:  # the template's own checks (roles, order) vary by model
             raise RowError(f"chat template failed: {exc}") from None
 
@@ -139,6 +144,8 @@ class PromptBuilder:
                         self.tokenizer,
                         prompt,
                         allow_special_tokens=self.config.allow_special_tokens_in_messages,
+                        chat_template=self.config.chat_template,
+                        template_kwargs=self.config.chat_template_kwargs,
                     )
                 except ChatTemplateError as exc:
                     out[i] = RowError(f"chat template failed: {exc}")

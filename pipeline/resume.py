@@ -30,6 +30,11 @@ file renamed over it; on an object store the object is replaced whole), or delet
 they are left, and the run generates them again into new files. A row is never in two files:
 its error row is gone before its new row is written. A run killed in between leaves those rows
 in no file, i.e. not done, and any rerun generates them (as after any kill).
+
+A row with several samples (`sample_index`, pipeline/infer.py) has all of them in one file
+(a shard is written whole), so its id is done exactly when its samples are there; with
+`retry_errors` a sample with an error takes its row's other samples out with it, so the
+rerun's samples never meet old ones.
 """
 
 from __future__ import annotations
@@ -153,8 +158,9 @@ def _remove_open_files(output: str | Path, prefix: str) -> list[str]:
 
 
 def _drop_error_rows(path: str, parquet) -> int:  # noqa: ANN001 (pyarrow.parquet.ParquetFile)
-    """Rewrite one of the job's files without its error rows (a whole-file replacement), or
-    delete it when nothing else is left; how many rows were dropped."""
+    """Rewrite one of the job's files without its error rows and the other samples of their
+    ids (a whole-file replacement), or delete it when nothing else is left; how many rows
+    were dropped."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -163,7 +169,9 @@ def _drop_error_rows(path: str, parquet) -> int:  # noqa: ANN001 (pyarrow.parque
     if dropped == 0:
         return 0
     table = parquet.read()
-    kept = table.filter(pc.is_null(table.column(stage.ERROR)))
+    failed = table.filter(pc.is_valid(table.column(stage.ERROR))).column(stage.ID).unique()
+    kept = table.filter(pc.invert(pc.is_in(table.column(stage.ID), value_set=failed)))
+    dropped = table.num_rows - kept.num_rows
     if kept.num_rows == 0:
         storage.delete(path)
         return dropped

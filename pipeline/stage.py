@@ -37,6 +37,7 @@ NUM_GENERATED_TOKENS = "num_generated_tokens"
 TTFT = "time_to_first_token_s"
 PREFIX_GROUP = "prefix_group"  # "<shard>/<group index>": rows computed with one shared prefix
 SHARED_PREFIX_LEN = "shared_prefix_len"  # prompt tokens computed by a shared prefix, 0: none
+SAMPLE_INDEX = "sample_index"  # 0..n-1: which of a row's samples (SamplingParams.n)
 LOGPROBS = "logprobs"  # per generated token: id, log-probability, top alternatives (when asked)
 
 TOKEN_LIST = pa.list_(pa.int32())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+from pipeline.chat_template import parse_template_kwargs, read_chat_template
 from pipeline.cli import HelpFormatter, add_engine_args, add_io_args, job_config, run
 from pipeline.config import JobConfig, PromptConfig
 
@@ -52,6 +53,16 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "by default it is plain text, so a row cannot forge a chat turn",
     )
     prompt.add_argument(
+        "--chat-template",
+        help="a chat template (Jinja) file, or its text, used instead of the tokenizer's "
+        "(chat prompts only: --chat or --messages-column); part of the output's lineage",
+    )
+    prompt.add_argument(
+        "--chat-template-kwargs",
+        help='JSON object of variables for the chat template, e.g. \'{"enable_thinking": '
+        "false}' for Qwen3",
+    )
+    prompt.add_argument(
         "--sampling-column", help="column of per-row sampling parameters (dict or JSON)"
     )
     prompt.add_argument(
@@ -85,6 +96,10 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
         sampling_column=args.sampling_column,
         override_columns=overrides,
+        chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
+        chat_template_kwargs=(
+            parse_template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs else None
+        ),
     )
     return job_config(args, prompt, text_column=args.text_column)
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import NoReturn
 
 from packing.admission import POLICIES, AdmissionConfig
+from pipeline.chat_template import read_chat_template
 from pipeline.engine_flags import add_engine_flags, engine_config_from_args
 from pipeline.serve.config import API_KEYS_ENV, ServeConfig
 from pipeline.serve.replicas import Replicas
@@ -140,6 +141,11 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokenize special-token text inside chat messages (e.g. <|im_end|>) as the token; "
         "by default it is plain text, so a client cannot forge a chat turn",
     )
+    group.add_argument(
+        "--chat-template",
+        help="a chat template (Jinja) file, or its text, used instead of the tokenizer's "
+        "(a request's chat_template field overrides it)",
+    )
 
 
 def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
@@ -214,6 +220,7 @@ def serve_config_from_args(
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
+        chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
         replicas=Replicas(
             num_replicas=args.num_replicas,
             min_replicas=args.min_replicas,

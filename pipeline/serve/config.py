@@ -79,6 +79,9 @@ class ServeConfig:
     # Text inside chat messages that spells a special token (`<|im_end|>`) is tokenized as
     # plain text, so a client cannot forge a turn; True tokenizes it as the token (HF's default).
     allow_special_tokens_in_messages: bool = False
+    # A chat template's text used instead of the tokenizer's (vLLM's --chat-template); a
+    # request's own `chat_template` field overrides it for that request.
+    chat_template: str | None = None
     # How many replicas serve (each with its own engine): fixed, or Serve's autoscaling.
     replicas: Replicas = field(default_factory=Replicas)
     # With more than one replica, a front reads each request and Serve's request router sends

@@ -15,7 +15,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from actors.config import MAX_INT32, MAX_LOGPROBS, MAX_SEED, MIN_SEED
+from actors.config import MAX_INT32, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED, MIN_SEED
 
 FinishReason = Literal["stop", "length"]
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -81,7 +81,11 @@ class _SamplingFields(_Request):
         description="Seed for sampling; same seed, same tokens (-2**63 to 2**64 - 1).",
     )
     n: int = Field(
-        default=1, ge=1, description="Number of choices; only 1 is supported (400 otherwise)."
+        default=1,
+        ge=1,
+        le=MAX_SAMPLES,
+        description="Number of choices (samples of the prompt, which is prefilled once); "
+        "with a seed, choice i draws from seed + i.",
     )
     stream: bool = Field(default=False, description="Stream tokens as server-sent events.")
     stream_options: StreamOptions | None = Field(
@@ -127,8 +131,6 @@ class _SamplingFields(_Request):
 
         Such fields are accepted at their neutral values (clients often send `"logprobs":
         null` or `"echo": false`) and refused otherwise, never silently ignored."""
-        if self.n != 1:
-            return "n", f"n is {self.n}; this server returns one choice per request (n=1)"
         return None
 
 
@@ -150,7 +152,11 @@ class CompletionRequest(_SamplingFields):
     )
     echo: bool = Field(default=False, description="Not supported: only false is accepted.")
     best_of: int | None = Field(
-        default=None, ge=1, description="Not supported beyond 1: one candidate per request."
+        default=None,
+        ge=1,
+        le=MAX_SAMPLES,
+        description="Generate best_of candidates and return the n with the highest "
+        "cumulative logprob (at least n; not with stream).",
     )
     add_special_tokens: bool = Field(
         default=True,
@@ -162,8 +168,8 @@ class CompletionRequest(_SamplingFields):
         """(field, why) of the first option set to something this server cannot do."""
         if self.echo:
             return "echo", "echo is not supported by this server; omit it or send false"
-        if self.best_of not in (None, 1):
-            return "best_of", f"best_of is {self.best_of}; this server supports only 1"
+        if self.best_of not in (None, self.n) and self.stream:
+            return "best_of", "best_of > n cannot be streamed (as OpenAI and vLLM)"
         return super().unsupported()
 
 
@@ -230,6 +236,17 @@ class ChatCompletionRequest(_SamplingFields):
         ge=0,
         le=MAX_LOGPROBS,
         description="With logprobs: true, also the k most likely tokens at each position.",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        min_length=1,
+        description="vLLM extension: a chat template (Jinja text) used for this request "
+        "instead of the server's.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="vLLM extension: variables for the chat template, e.g. "
+        '{"enable_thinking": false} for Qwen3.',
     )
 
 

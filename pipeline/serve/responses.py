@@ -48,43 +48,48 @@ class ResponseHeader:
     model: str
     logprobs: LogprobShaper | None = None  # set when the request asked for logprobs
 
-    def full(self, output: RequestOutput) -> BaseModel:
-        """The non-streamed body for a finished output."""
-        reason = finish_reason(output, self.request_id)
-        shaper, entries = self.logprobs, output.logprobs or ()
+    def full(self, outputs: RequestOutput | Sequence[RequestOutput]) -> BaseModel:
+        """The non-streamed body for a request's finished outputs, one choice per sample
+        (`index` = its sample_index)."""
+        if isinstance(outputs, RequestOutput):
+            outputs = [outputs]
+        shaper = self.logprobs
         if self.kind == "completion":
-            choice = CompletionChoice(
-                index=0,
-                text=output.text,
-                logprobs=None if shaper is None else shaper.completion(entries),
-                finish_reason=reason,
-            )
+            choices = [
+                CompletionChoice(
+                    index=out.sample_index,
+                    text=out.text,
+                    logprobs=None if shaper is None else shaper.completion(out.logprobs or ()),
+                    finish_reason=finish_reason(out, self.request_id),
+                )
+                for out in outputs
+            ]
             return CompletionResponse(
                 id=self.request_id,
                 created=self.created,
                 model=self.model,
-                choices=[choice],
-                usage=usage(output),
+                choices=choices,
+                usage=usage(outputs),
             )
-        message = ResponseMessage(content=output.text)
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.model,
             choices=[
                 ChatChoice(
-                    index=0,
-                    message=message,
-                    logprobs=None if shaper is None else shaper.chat(entries),
-                    finish_reason=reason,
+                    index=out.sample_index,
+                    message=ResponseMessage(content=out.text),
+                    logprobs=None if shaper is None else shaper.chat(out.logprobs or ()),
+                    finish_reason=finish_reason(out, self.request_id),
                 )
+                for out in outputs
             ],
-            usage=usage(output),
+            usage=usage(outputs),
         )
 
-    def role_event(self) -> str:
-        """The first chunk of a chat stream: the assistant's role."""
-        choice = ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
+    def role_event(self, index: int = 0) -> str:
+        """The first chunk of a chat stream's choice `index`: the assistant's role."""
+        choice = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
         return self._chat_chunk([choice], None)
 
     def text_event(
@@ -93,17 +98,21 @@ class ResponseHeader:
         reason: Reason | None,
         entries: Sequence[TokenLogprob] = (),
         offset: int = 0,
+        index: int = 0,
     ) -> str:
-        """A chunk with new text (and, in the last one, the finish reason); with logprobs, those
-        of the tokens not sent before (`offset`: the text_offset of the first of them)."""
+        """A chunk of choice `index` with new text (and, in the last one, the finish reason);
+        with logprobs, those of the tokens not sent before (`offset`: the text_offset of the
+        first of them)."""
         shaper = self.logprobs if entries else None
         if self.kind == "chat":
             delta = DeltaMessage(content=text or None)
             logprobs = None if shaper is None else shaper.chat(entries)
-            chunk = ChatStreamChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=reason)
+            chunk = ChatStreamChoice(
+                index=index, delta=delta, logprobs=logprobs, finish_reason=reason
+            )
             return self._chat_chunk([chunk])
         completion = None if shaper is None else shaper.completion(entries, offset)
-        choice = CompletionChoice(index=0, text=text, logprobs=completion, finish_reason=reason)
+        choice = CompletionChoice(index=index, text=text, logprobs=completion, finish_reason=reason)
         return self._completion_chunk([choice], None)
 
     def usage_event(self, counts: Usage) -> str:
@@ -145,11 +154,17 @@ def finish_reason(output: RequestOutput, request_id: str) -> Reason:
     raise internal_error(request_id)
 
 
-def usage(output: RequestOutput) -> Usage:
-    """Token counts of an output, with prefix-cache hits."""
+def usage(outputs: RequestOutput | Sequence[RequestOutput]) -> Usage:
+    """Token counts of a request's outputs: the prompt once, every sample's completion
+    tokens; cached tokens are the first sample's (with n > 1, what it took from the prompt's
+    shared prefill, prefix-cache hits included)."""
+    if isinstance(outputs, RequestOutput):
+        outputs = [outputs]
+    first = outputs[0]
+    completion = sum(len(out.token_ids) for out in outputs)
     return Usage(
-        prompt_tokens=output.num_prompt_tokens,
-        completion_tokens=len(output.token_ids),
-        total_tokens=output.num_prompt_tokens + len(output.token_ids),
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
+        prompt_tokens=first.num_prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=first.num_prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens),
     )

@@ -125,6 +125,8 @@ class OpenAIService:
                 self.tokenizer,
                 messages,
                 allow_special_tokens=self.config.allow_special_tokens_in_messages,
+                chat_template=request.chat_template or self.config.chat_template,
+                template_kwargs=request.chat_template_kwargs,
             )
         except ChatTemplateError as exc:  # a template may reject a conversation
             raise bad_request(
@@ -150,47 +152,52 @@ class OpenAIService:
         return busy(str(exc), self.config.retry_after_s)
 
     async def respond(self, prepared: Prepared, stream: RequestStream) -> BaseModel:
-        """Wait for the whole answer (non-streaming)."""
-        final: RequestOutput | None = None
+        """Wait for the whole answer (non-streaming): a choice per sample."""
+        finals: dict[int, RequestOutput] = {}
         try:
             async for output in stream:
-                final = output
+                finals[output.sample_index] = output
         except QueueTimeoutError as exc:
             raise self.busy(exc) from exc
         except EngineFailedError as exc:
             logger.error("request %s failed in the engine: %s", prepared.header.request_id, exc)
             raise internal_error(prepared.header.request_id) from exc
         finally:
-            if final is None or not final.finished:
+            if not _finished(finals, prepared.params.n):
                 self.loop.abort(stream.request_id)
-        assert final is not None and final.finished
-        return prepared.header.full(final)
+        assert _finished(finals, prepared.params.n)
+        return prepared.header.full([finals[i] for i in range(prepared.params.n)])
 
     async def events(self, prepared: Prepared, stream: RequestStream) -> AsyncIterator[str]:
-        """Server-sent events, one per new piece of text, ending with `data: [DONE]`."""
+        """Server-sent events, one per new piece of text of one choice (each chunk names its
+        choice's `index`: a sample of n), ending with `data: [DONE]`."""
         header = prepared.header
-        # The engine cuts a stop string from the text once it is complete: the cursor holds
-        # back what could still be one's start, so the pieces sent are the unstreamed text.
-        cursor = StreamCursor.for_stops(prepared.params.stop)
-        sent_logprobs = 0  # logprobs entries already sent, and the text_offset after them
-        offset = 0
-        final: RequestOutput | None = None
+        # The engine cuts a stop string from the text once it is complete: each choice's
+        # cursor holds back what could still be one's start, so the pieces sent are the
+        # unstreamed text.
+        n = prepared.params.n
+        cursors = [StreamCursor.for_stops(prepared.params.stop) for _ in range(n)]
+        sent_logprobs = [0] * n  # logprobs entries already sent, and the text_offset after them
+        offset = [0] * n
+        finals: dict[int, RequestOutput] = {}
         try:
             if header.kind == "chat":
-                yield header.role_event()
+                for index in range(n):
+                    yield header.role_event(index)
             async for output in stream:
-                final = output
+                i = output.sample_index
+                finals[i] = output
                 reason = finish_reason(output, header.request_id) if output.finished else None
-                delta = cursor.release(output.text, output.finished)
+                delta = cursors[i].release(output.text, output.finished)
                 if delta or reason is not None:
                     # The logprobs of the tokens since the last chunk (held-back text or not).
-                    entries = (output.logprobs or ())[sent_logprobs:]
-                    yield header.text_event(delta, reason, entries, offset)
-                    sent_logprobs += len(entries)
+                    entries = (output.logprobs or ())[sent_logprobs[i] :]
+                    yield header.text_event(delta, reason, entries, offset[i], i)
+                    sent_logprobs[i] += len(entries)
                     if entries and header.logprobs is not None and header.kind == "completion":
-                        offset += sum(len(header.logprobs.token(e.token_id)) for e in entries)
-            if final is not None and prepared.include_usage:
-                yield header.usage_event(usage(final))
+                        offset[i] += sum(len(header.logprobs.token(e.token_id)) for e in entries)
+            if finals and prepared.include_usage:
+                yield header.usage_event(usage([finals[i] for i in sorted(finals)]))
         except QueueTimeoutError as exc:
             yield sse(self.busy(exc).body())
         except EngineFailedError as exc:
@@ -199,7 +206,7 @@ class OpenAIService:
         except APIError as exc:
             yield sse(exc.body())
         finally:
-            if final is None or not final.finished:
+            if not _finished(finals, n):
                 self.loop.abort(stream.request_id)
         yield DONE
 
@@ -265,6 +272,8 @@ class OpenAIService:
                 ),
                 min_p=self._or_default(request.min_p, "min_p", 0.0),
                 logit_bias=logit_bias_pairs(request.logit_bias or {}),
+                n=request.n,
+                best_of=getattr(request, "best_of", None),
             )
         except ValueError as exc:  # SamplingParams bounds every value; its message names it
             raise bad_request(str(exc), _sampling_param(str(exc), request)) from exc
@@ -290,6 +299,10 @@ class OpenAIService:
             stream=request.stream,
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
         )
+
+
+def _finished(finals: dict[int, RequestOutput], n: int) -> bool:
+    return len(finals) == n and all(out.finished for out in finals.values())
 
 
 def _logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:

@@ -68,7 +68,8 @@ class _Request:
     params: SamplingParams
     arrival: float  # entered the staging queue
     since: float  # the start budget (max_queue_wait_s) counts from here: arrival at the replica
-    latest: RequestOutput | None = None
+    # The latest output of each sample (SamplingParams.n), by sample index.
+    samples: dict[int, RequestOutput] = field(default_factory=dict)
     error: BaseException | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -76,7 +77,9 @@ class _Request:
 
 
 class RequestStream:
-    """The outputs of one request as they come; each item is cumulative (all tokens so far).
+    """The outputs of one request as they come; each item is cumulative (all tokens so far)
+    for one sample (`sample_index`; a request with `n` > 1 has n), until every sample has
+    finished.
 
     A slow reader skips intermediate outputs (they are cumulative), so nothing queues up.
     Leaving the iteration early (client gone, task cancelled) aborts the request.
@@ -98,22 +101,23 @@ class RequestStream:
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         request = self._request
-        seen: RequestOutput | None = None
+        seen: dict[int, RequestOutput] = {}
+        done = False
         try:
-            while True:
+            while not done:
                 await request.changed.wait()
                 request.changed.clear()
                 if isinstance(request.error, QueueTimeoutError):
                     raise request.error
                 if request.error is not None:
                     raise EngineFailedError(str(request.error)) from request.error
-                if request.latest is not None and request.latest is not seen:
-                    seen = request.latest
-                    yield seen
-                    if seen.finished:
-                        return
+                for index, output in sorted(request.samples.items()):
+                    if seen.get(index) is not output:
+                        seen[index] = output
+                        yield output
+                done = _all_finished(seen, request.params.n)
         finally:
-            if seen is None or not seen.finished:
+            if not done:
                 self._loop.abort(request.request_id)
 
 
@@ -332,7 +336,8 @@ class EngineLoop:
             request = self._running.get(output.request_id)
             if request is None:  # aborted while the step ran
                 continue
-            previous = len(request.latest.token_ids) if request.latest is not None else 0
+            before = request.samples.get(output.sample_index)
+            previous = len(before.token_ids) if before is not None else 0
             new = max(0, len(output.token_ids) - previous)
             new_tokens += new
             if request.first_token_at is None and output.token_ids:
@@ -347,9 +352,9 @@ class EngineLoop:
                 self._metrics.record_tokens(new, gap)
             if new:
                 request.last_token_at = now
-            request.latest = output
+            request.samples[output.sample_index] = output
             request.changed.set()
-            if output.finished:
+            if _all_finished(request.samples, request.params.n):
                 del self._running[output.request_id]
                 self._finished_at.append(now)
                 self._record_finished(request, output, now)
@@ -389,3 +394,8 @@ class EngineLoop:
         for request in list(self._running.values()):
             self._fail(request, exc)
         self._running.clear()
+
+
+def _all_finished(samples: dict[int, RequestOutput], n: int) -> bool:
+    """Whether each of a request's n samples has its final output."""
+    return len(samples) == n and all(out.finished for out in samples.values())

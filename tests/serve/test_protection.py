@@ -42,11 +42,12 @@ def error_of(response: requests.Response, status: int) -> dict:
         ("/v1/completions", {**OK, "max_tokens": 401}, "max_tokens", None),
         ("/v1/completions", {**OK, "temperature": 2.5}, "temperature", None),
         ("/v1/completions", {**OK, "top_p": 0}, "top_p", None),
-        ("/v1/completions", {**OK, "n": 2}, "n", "unsupported_value"),
-        ("/v1/chat/completions", {**CHAT_OK, "n": 3}, "n", "unsupported_value"),
+        ("/v1/completions", {**OK, "n": 129}, "n", None),
+        ("/v1/chat/completions", {**CHAT_OK, "n": 0}, "n", None),
         ("/v1/completions", {**OK, "logprobs": 21}, "logprobs", None),
         ("/v1/completions", {**OK, "echo": True}, "echo", "unsupported_value"),
-        ("/v1/completions", {**OK, "best_of": 2}, "best_of", "unsupported_value"),
+        ("/v1/completions", {**OK, "n": 3, "best_of": 2}, "best_of", None),
+        ("/v1/completions", {**OK, "best_of": 2, "stream": True}, "best_of", "unsupported_value"),
         ("/v1/chat/completions", {**CHAT_OK, "logprobs": 1}, "logprobs", None),
         ("/v1/chat/completions", {**CHAT_OK, "top_logprobs": 2}, "top_logprobs", None),
         ("/v1/completions", {**OK, "prompt": ""}, "prompt", None),
@@ -84,8 +85,8 @@ def test_unsupported_options_at_their_neutral_values_are_accepted(live: Live) ->
 
     client = OpenAI(base_url=live.url("/v1"), api_key="not-checked", max_retries=0, timeout=60)
     with pytest.raises(BadRequestError) as raised:
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=2)
-    assert raised.value.param == "n" and raised.value.code == "unsupported_value"
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, best_of=2, stream=True)
+    assert raised.value.param == "best_of" and raised.value.code == "unsupported_value"
 
 
 def test_malformed_bodies_unknown_model_route_and_size(live: Live) -> None:

@@ -158,3 +158,27 @@ def test_out_of_range_penalty_is_a_400_naming_it(live: Live) -> None:
     error = answer.json()["error"]
     assert error["param"] == "frequency_penalty"
     assert "frequency_penalty" in error["message"] and "2.5" in error["message"]
+
+
+def test_n_choices_over_http_streamed_and_not(live: Live, hf: HFReference) -> None:
+    expected = hf.greedy(PROMPT, N)
+    data = complete(live, temperature=0, n=3)
+    assert [(c["index"], c["text"]) for c in data["choices"]] == [
+        (i, expected.text) for i in range(3)
+    ]
+    assert data["usage"]["completion_tokens"] == 3 * len(expected.token_ids)
+    assert data["usage"]["prompt_tokens"] == expected.num_prompt_tokens  # once, not n times
+    # Streamed with a seed: each chunk names its choice; choice i is what n=1 with seed + i
+    # gives.
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": N, "n": 2, "temperature": 1.0}
+    answer = requests.post(
+        live.url("/v1/completions"), json={**body, "seed": 7, "stream": True}, timeout=120
+    )
+    assert answer.status_code == 200, answer.text
+    texts = {0: "", 1: ""}
+    for line in answer.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[len("data: ") :])["choices"]:
+                texts[choice["index"]] += choice["text"]
+    assert texts[0] == text_of(complete(live, temperature=1.0, seed=7))
+    assert texts[1] == text_of(complete(live, temperature=1.0, seed=8))
