@@ -189,6 +189,8 @@ def test_output_parquet_schema(job_folder) -> None:  # noqa: ANN001
     assert files
     expected = {
         "id": pa.string(),
+        # a sampling column may ask for n > 1: each row's samples are numbered
+        "sample_index": pa.int32(),
         "generated_text": pa.string(),
         "generated_token_ids": pa.list_(pa.int32()),
         "finish_reason": pa.string(),

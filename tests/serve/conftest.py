@@ -79,6 +79,7 @@ def two_replica_args(model_dir: Path) -> dict[str, str]:
         "model": str(model_dir),
         "served_model_name": MODEL,
         "num_replicas": "2",
+        "dtype": "float32",  # compared with HF float32
         "num_cpus": "0.1",
         "max_num_seqs": "8",
         "policy": "immediate",
