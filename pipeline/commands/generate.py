@@ -15,6 +15,19 @@ import argparse
 
 from pipeline.cli import HelpFormatter, add_engine_args, add_io_args, job_config, run
 from pipeline.config import JobConfig, PromptConfig
+from pipeline.console import ConsoleOptions, add_console_flags
+from pipeline.help_groups import lead_with
+
+# Shown first in --help (pipeline/help_groups.py): what most runs set.
+COMMON_FLAGS = (
+    "--input",
+    "--output",
+    "--prompt-column",
+    "--template",
+    "--messages-column",
+    "--model",
+    "--max-tokens",
+)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -69,6 +82,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="name of the generated text column",
     )
     add_engine_args(parser)
+    add_console_flags(parser)
+    lead_with(parser, COMMON_FLAGS)
     return parser
 
 
@@ -92,4 +107,4 @@ def build_config(args: argparse.Namespace) -> JobConfig:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the job; the exit status."""
     args = build_parser(prog).parse_args(argv)
-    return run(lambda: build_config(args), args.num_cpus, args.json)
+    return run(lambda: build_config(args), args.num_cpus, args.json, ConsoleOptions.from_args(args))
