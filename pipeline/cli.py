@@ -25,6 +25,7 @@ from pipeline.config import (
 )
 from pipeline.console import ConsoleOptions
 from pipeline.engine_flags import add_engine_flags, engine_config_from_args
+from pipeline.engine_placement import NoRoomError
 
 logger = logging.getLogger(__name__)
 
@@ -321,8 +322,12 @@ def run(
         connect_ray(num_cpus, logging.INFO if options.verbose else logging.WARNING)
         console.quiet_ray_data(options)
         watch = console.progress_watch(options, prepared.source)
-        with console.filter_stderr():
-            summary = run_job(config, prepared=prepared, folder=folder, watch=watch)
+        try:
+            with console.filter_stderr():
+                summary = run_job(config, prepared=prepared, folder=folder, watch=watch)
+        except NoRoomError as exc:  # actors the cluster can never hold: before any work
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     print(console.summary_text(summary, as_json))
     return 0
 

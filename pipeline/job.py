@@ -195,8 +195,8 @@ def build_dataset(
 
 
 def check_room(config: JobConfig) -> EnginePlacements | None:
-    """Fail fast (ValueError) where Ray would wait forever: engine groups the nodes can never
-    hold, or actors that leave no node a whole CPU (unless `wait_for_nodes`: an autoscaler
+    """Fail fast (ValueError) where Ray would wait forever: engine groups or engine actors the
+    nodes can never hold, or actors that leave no node a whole CPU (unless `wait_for_nodes`: an autoscaler
     adds nodes). For tp x pp engines, reserve their placement groups (TimeoutError when they
     are not placed in time) and return them."""
     import ray
@@ -216,6 +216,7 @@ def check_room(config: JobConfig) -> EnginePlacements | None:
             check_nodes=check,
         )
     if check:
+        engine_placement.check_actors_fit(config, gpu, nodes)
         engine_placement.check_cpu_room(config, gpu, nodes)
     return None
 
