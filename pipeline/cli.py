@@ -313,6 +313,11 @@ def run(
     try:
         config = config_fn()
         prepared = prepare(config)
+        if options.dry_run:  # before the folder is claimed: a dry run writes nothing
+            from pipeline.dry_run import dry_run
+
+            print(dry_run(config, prepared).text(config.output))
+            return 0
         # Another job's folder, or one another lineage produced: refused here, untouched.
         folder = claim_output(config, prepared)
     except (ValueError, FileNotFoundError) as exc:

@@ -49,6 +49,7 @@ class ConsoleOptions:
     verbose: bool = False  # Ray Data's progress tables and the libraries' INFO lines
     progress: bool = True  # our progress bar / line (pipeline/progress.py)
     progress_interval_s: float | None = None  # None: 1 s on a terminal, 10 s otherwise
+    dry_run: bool = False  # print the plan and an estimate instead (pipeline/dry_run.py)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ConsoleOptions:
@@ -58,12 +59,20 @@ class ConsoleOptions:
             verbose=getattr(args, "verbose", cls.verbose),
             progress=not getattr(args, "no_progress", False),
             progress_interval_s=getattr(args, "progress_interval", None),
+            dry_run=getattr(args, "dry_run", False),
         )
 
 
 def add_console_flags(parser: argparse.ArgumentParser) -> None:
-    """--log-level, --verbose, --no-progress, --progress-interval."""
+    """--dry-run, --log-level, --verbose, --no-progress, --progress-interval."""
     g = parser.add_argument_group("console")
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="read and plan, time the engine for a few seconds here, and print what the job "
+        "would do (rows, prefix groups and saving, prompt tokens, shards, an engine time "
+        "estimate, the plan's picture); no Ray, nothing written",
+    )
     g.add_argument(
         "--log-level",
         choices=LEVELS,
