@@ -197,7 +197,12 @@ class ProgressDisplay:
 
     def start(self) -> None:
         """Show the progress until `stop`."""
-        if self.live:
+        self.open()
+        self._thread.start()
+
+    def open(self) -> None:
+        """Draw the empty bar (on a terminal; nothing otherwise)."""
+        if self.live and self._bar is None:
             from tqdm import tqdm
 
             self._bar = tqdm(
@@ -208,15 +213,20 @@ class ProgressDisplay:
                 dynamic_ncols=True,
                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} rows [{elapsed}] {postfix}",
             )
-        self._thread.start()
 
     def stop(self) -> None:
         """Show the last figures and end the display."""
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
         self.show()
+        self.close()
+
+    def close(self) -> None:
+        """Close the bar (its last state stays on the terminal)."""
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -230,7 +240,10 @@ class ProgressDisplay:
             counts = ray.get(self.board.total.remote(), timeout=10)
         except Exception:  # noqa: BLE001 (the board is gone: the job is ending)
             return
-        now = time.time()
+        self.render(counts, time.time())
+
+    def render(self, counts: Counts, now: float) -> None:
+        """Show the board's totals `counts` read at wall-clock time `now`."""
         self._seen.append((now, counts.rows))
         while len(self._seen) > 2 and now - self._seen[1][0] >= RATE_WINDOW_S:
             self._seen.popleft()

@@ -36,7 +36,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
     )
     add_io_args(parser)
-    prompt = parser.add_argument_group("prompt (exactly one of the first three)")
+    prompt = parser.add_argument_group(
+        "prompt (its source: one of --prompt-column, --template, --messages-column, above)"
+    )
     source = prompt.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt-column", help="column holding the prompt text")
     source.add_argument(

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 
@@ -12,7 +13,7 @@ import pytest
 from pipeline.commands import generate, snippets
 from pipeline.console import HARMLESS_STDERR
 from pipeline.help_groups import COMMON_TITLE
-from pipeline.progress import Counts, Progress
+from pipeline.progress import Counts, Progress, ProgressDisplay
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 from tests.pipeline.test_commands import raypack
 
@@ -39,6 +40,37 @@ def test_progress_figures() -> None:
     # No engine ready yet, no total known: no rate, no time left, no percentage.
     idle = Progress.of(Counts(), total=None, done_before=0, now=5)
     assert idle.eta_s is None and idle.line().startswith("progress: 0 rows, 0.0 generated")
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_a_live_bar_and_a_pipe_gets_lines() -> None:
+    counts = Counts(rows=3, prompt_tokens=100, cached_tokens=50, generated_tokens=30, started=0)
+    tty = Terminal()
+    bar = ProgressDisplay(board=None, total=10, done_before=2, stream=tty)
+    assert bar.live and bar.interval_s == 1.0
+    bar.open()
+    bar.render(counts, now=10.0)
+    bar.close()
+    drawn = tty.getvalue()
+    assert "\r" in drawn and "5/10 rows" in drawn and "3.0 generated tok/s" in drawn
+    assert "prefix cache saved 50%" in drawn and "ETA 0:17" in drawn  # 5 left at 0.3 rows/s
+    pipe = io.StringIO()
+    lines = ProgressDisplay(board=None, total=10, done_before=2, stream=pipe)
+    assert not lines.live and lines.interval_s == 10.0
+    lines.open()  # nothing on a pipe
+    lines.render(counts, now=10.0)
+    lines.render(Counts(rows=8, started=0), now=20.0)
+    assert pipe.getvalue().splitlines() == [
+        "progress: 5/10 rows (50%), 3.0 generated tok/s, prefix cache saved 50% of prompt "
+        "tokens, 0 errors, ETA 0:17",
+        # The recent rate: 5 rows in the last 10 s.
+        "progress: 10/10 rows (100%), 0.0 generated tok/s, prefix cache saved 0% of prompt "
+        "tokens, 0 errors, ETA 0:00",
+    ]
 
 
 def test_counts_add_up_with_the_earliest_start() -> None:
