@@ -80,13 +80,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     import ray
     from ray import serve
 
-    from pipeline.serve.app import build_app
+    from pipeline.serve.app import build_app, prefix_routed
     from pipeline.serve.fit import fit_to_cluster
 
     port = args.port or free_port(args.host)
     ray.init(address=args.address, num_cpus=args.ray_num_cpus, include_dashboard=False)
     try:  # replicas the cluster cannot hold: exit now, naming the flags (Serve would wait)
-        config = fit_to_cluster(config)
+        config = fit_to_cluster(config, prefix_routed(config))
     except ValueError as exc:
         logger.error("%s", exc)
         ray.shutdown()

@@ -292,7 +292,7 @@ def build_app(args: ServeConfig | Mapping[str, Any]) -> Application:
         config = serve_config_from_app_args(args)
     # The replicas' CPUs fitted to the cluster, or a ValueError naming the flags: Serve itself
     # would wait for CPUs that are not there forever (pipeline/serve/fit.py).
-    config = fit_to_cluster(config)
+    config = fit_to_cluster(config, prefix_routed(config))
     deployment = OpenAIDeployment.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.ongoing_limit,
         **backpressure_options(config, config.queued_limit),

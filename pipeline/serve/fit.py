@@ -73,17 +73,18 @@ def replica_cpus(
     return requested
 
 
-def fit_to_cluster(config: ServeConfig, cluster_cpus: float | None = None) -> ServeConfig:
+def fit_to_cluster(
+    config: ServeConfig, routed: bool, cluster_cpus: float | None = None
+) -> ServeConfig:
     """`config` with `num_cpus` settled against the cluster (see the module docstring);
+    `routed`: whether the app has the prefix-routing front (`app.prefix_routed`);
     `cluster_cpus` defaults to `available_cpus()`."""
-    from pipeline.serve.app import prefix_routed
-
     engine = config.engine
     worker_cpus = engine.world_size * engine.worker_num_cpus if engine.world_size > 1 else 0.0
     share = replica_cpus(
         available_cpus() if cluster_cpus is None else cluster_cpus,
         (config.replicas.lowest, config.replicas.highest),
-        FRONT_NUM_CPUS if prefix_routed(config) else 0.0,
+        FRONT_NUM_CPUS if routed else 0.0,
         config.num_cpus,
         worker_cpus,
     )
@@ -96,7 +97,9 @@ def available_cpus() -> float:
 
     if ray.is_initialized():
         return float(ray.cluster_resources().get("CPU", 0.0))
-    return float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return float(
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
 
 
 def _count(replicas: tuple[int, int]) -> str:

@@ -13,6 +13,7 @@ import pytest
 
 from actors.config import EngineConfig
 from pipeline.serve import ServeConfig
+from pipeline.serve.app import prefix_routed
 from pipeline.serve.fit import FRONT_NUM_CPUS, MIN_REPLICA_CPUS, fit_to_cluster, replica_cpus
 from pipeline.serve.replicas import Replicas
 
@@ -60,14 +61,14 @@ def test_the_builder_fits_the_config_as_serve_run_calls_it() -> None:
     base = ServeConfig(engine=EngineConfig(model="m", device="cpu"))
     assert base.num_cpus is None  # unset until the app is built
     two = ServeConfig(engine=base.engine, replicas=Replicas(num_replicas=2))
-    assert fit_to_cluster(two, cluster_cpus=2).num_cpus == 0.95
+    assert fit_to_cluster(two, prefix_routed(two), cluster_cpus=2).num_cpus == 0.95
     no_front = ServeConfig(
         engine=base.engine, replicas=Replicas(num_replicas=2), prefix_routing=False
     )
-    assert fit_to_cluster(no_front, cluster_cpus=2).num_cpus == 1.0
+    assert fit_to_cluster(no_front, prefix_routed(no_front), cluster_cpus=2).num_cpus == 1.0
     asked = ServeConfig(engine=base.engine, replicas=Replicas(num_replicas=2), num_cpus=1.0)
     with pytest.raises(ValueError, match="--num-cpus"):
-        fit_to_cluster(asked, cluster_cpus=2)
+        fit_to_cluster(asked, prefix_routed(asked), cluster_cpus=2)
 
 
 @pytest.mark.slow
