@@ -188,8 +188,13 @@ def _pump(read_end: int, out: int, patterns: tuple[re.Pattern[str], ...]) -> Non
 
 
 def _write(fd: int, data: bytes) -> None:
-    while data:
-        data = data[os.write(fd, data) :]
+    # Never raises: a pump that stopped reading would block every writer of fd 2 once the
+    # pipe is full (the job would hang); output that cannot be written is dropped instead.
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        pass
 
 
 def _matches(line: bytes, patterns: tuple[re.Pattern[str], ...]) -> bool:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -15,7 +17,7 @@ from pipeline.console import HARMLESS_STDERR
 from pipeline.help_groups import COMMON_TITLE
 from pipeline.progress import Counts, Progress, ProgressDisplay
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
-from tests.pipeline.test_commands import raypack
+from tests.pipeline.test_commands import ROOT, raypack
 
 # A line a clean run must not print: a log record at WARNING or above, a Python warning, a
 # C++ error line of Ray's (`[time E pid tid] file.cc:line: ...`).
@@ -121,6 +123,30 @@ def test_the_harmless_core_worker_line_is_the_one_dropped() -> None:
     assert any(p.search(line) for p in HARMLESS_STDERR) and NOT_CLEAN.search(line)
     other = "[2026-11-26 09:25:58,997 E 6468 6468] core_worker.cc:99: Failed to connect"
     assert not any(p.search(other) for p in HARMLESS_STDERR)
+
+
+def test_filter_stderr_drops_only_the_harmless_lines() -> None:
+    """On a real fd 2 (a subprocess: pytest captures this one's): C-level writes and Python's
+    pass through in order, a bar without newline at once, the core worker's line not at all."""
+    script = (
+        "import os, sys\n"
+        "from pipeline.console import filter_stderr\n"
+        "with filter_stderr():\n"
+        "    os.write(2, b'one\\n[2026-11-26 09:25:58,997 E 6468 6468] core_worker.cc:2465: '\n"
+        "             b'Actor with class name: \\'X\\' and ID: \\'y\\' has constructor arguments '\n"
+        "             b'in the object store and max_restarts > 0.\\nbar\\r')\n"
+        "    print('two', file=sys.stderr)\n"
+        "    os.write(2, b'[2026 E 1 1] core_worker.cc:9: something else\\n')\n"
+        "print('after', file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == b"one\nbar\rtwo\n[2026 E 1 1] core_worker.cc:9: something else\nafter\n"
 
 
 @pytest.mark.slow
