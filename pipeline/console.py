@@ -107,6 +107,8 @@ def quiet_command(options: ConsoleOptions) -> None:
         # actor, converting the embedded GGUF once. Read when they are imported, here and in
         # the workers (which inherit this environment).
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        if "transformers" in sys.modules:  # imported already: the variable was read
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
     # A new local cluster turns Ray's token authentication on and says so at WARNING; that is
     # the safe default and needs nothing from the user (the token is in ~/.ray/auth_token for
     # a `ray job submit` to the same machine), so it is not a warning for our commands.
