@@ -136,6 +136,13 @@ def quiet_ray_data(options: ConsoleOptions) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = options.verbose
     ctx.enable_operator_progress_bars = options.verbose
+    if not options.verbose:
+        # Ray Data's memory detector warns that an operator's workers use more memory than Ray
+        # reserved for them: an engine actor holds its model and KV cache (GBs) by design, and
+        # Ray reserves memory for it only when asked (--memory-gb-per-actor, the detector's own
+        # advice), which a small machine running one job does not need. --verbose shows it.
+        detectors = ctx.issue_detectors_config.high_memory_detector_config
+        detectors.detection_time_interval_s = -1
     level = logging.INFO if options.verbose else logging.WARNING
     for handler in logging.getLogger("ray.data").handlers:
         if type(handler).__name__ != "SessionFileHandler":  # the console, not the log file

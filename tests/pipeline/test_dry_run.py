@@ -61,9 +61,18 @@ def run_dry(capsys, table, model, output, *extra: str) -> str:
 def test_dry_run_prints_the_plan_without_ray(capsys, prompt_table, tiny_model_dir, tmp_path):
     import ray
 
-    output = tmp_path / "out"
-    out = run_dry(capsys, prompt_table, tiny_model_dir, output)
-    assert not ray.is_initialized()  # no Ray, so no engine actor
+    def tripwire(*args, **kwargs):
+        raise AssertionError("the dry run started Ray or a Ray actor/task")
+
+    # Ray may be up in this process (other tests' cluster): then any actor or task the dry
+    # run made would go through ray.remote (Ray Data's too), and a new Ray through ray.init.
+    initialized = ray.is_initialized()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ray, "init", tripwire)
+        patch.setattr(ray, "remote", tripwire)
+        output = tmp_path / "out"
+        out = run_dry(capsys, prompt_table, tiny_model_dir, output)
+    assert ray.is_initialized() == initialized
     assert "no engine actor started" in out
     n, errors = len(rows()), len(MALFORMED - {"unknown-override", "bad-override"})
     assert f"rows: {n} in the input, 0 already done" in out
