@@ -8,14 +8,13 @@ and `--help` shows it."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
 
 from actors.config import SamplingParams
+from pipeline import console
 from pipeline.config import (
     ComputeConfig,
     FilesConfig,
@@ -24,7 +23,9 @@ from pipeline.config import (
     PlanConfig,
     PromptConfig,
 )
+from pipeline.console import ConsoleOptions
 from pipeline.engine_flags import add_engine_flags, engine_config_from_args
+from pipeline.engine_placement import NoRoomError
 
 logger = logging.getLogger(__name__)
 
@@ -327,39 +328,58 @@ def job_sampling(args: argparse.Namespace) -> SamplingParams:
         raise
 
 
-def connect_ray(num_cpus: int | None = None) -> None:
+def connect_ray(num_cpus: int | None = None, logging_level: int = logging.INFO) -> None:
     """Join the cluster at RAY_ADDRESS (as under `ray job submit`), else start a local Ray.
-    An already connected process (tests) is left as it is."""
+    An already connected process (tests) is left as it is. `logging_level`: Ray's own
+    loggers' (ray.init sets them)."""
     import ray
 
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init()
+        context = ray.init(logging_level=logging_level)
     else:
-        ray.init(num_cpus=num_cpus)
+        context = ray.init(num_cpus=num_cpus, logging_level=logging_level)
+    if context.dashboard_url:
+        logger.info("Ray dashboard: http://%s", context.dashboard_url)
 
 
-def run(config_fn: Callable[[], JobConfig], num_cpus: int | None, as_json: bool) -> int:
+def run(
+    config_fn: Callable[[], JobConfig],
+    num_cpus: int | None,
+    as_json: bool,
+    console_options: ConsoleOptions | None = None,
+) -> int:
     """Check, connect, run, print the summary. Bad input exits 2 with the reason, before Ray
-    starts."""
+    starts. What it prints besides: pipeline/console.py."""
     from pipeline.job import claim_output, prepare, run_job
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    options = console_options or ConsoleOptions()
+    console.quiet_command(options)
     try:
         config = config_fn()
         prepared = prepare(config)
+        if options.dry_run:  # before the folder is claimed: a dry run writes nothing
+            from pipeline.dry_run import dry_run
+
+            print(dry_run(config, prepared).text(config.output))
+            return 0
         # Another job's folder, or one another lineage produced: refused here, untouched.
         folder = claim_output(config, prepared)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     with folder:
-        connect_ray(num_cpus)
-        summary = run_job(config, prepared=prepared, folder=folder)
-    print(json.dumps(asdict(summary), indent=2) if as_json else summary.log_line())
+        connect_ray(num_cpus, logging.INFO if options.verbose else logging.WARNING)
+        console.quiet_ray_data(options)
+        watch = console.progress_watch(options, prepared.source)
+        try:
+            with console.filter_stderr():
+                summary = run_job(config, prepared=prepared, folder=folder, watch=watch)
+        except NoRoomError as exc:  # actors the cluster can never hold: before any work
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    print(console.summary_text(summary, as_json))
     return 0
 
 

@@ -22,6 +22,11 @@ from pipeline.config import JobConfig
 logger = logging.getLogger(__name__)
 
 
+class NoRoomError(ValueError):
+    """The cluster can never hold the job's engine actors as configured: the command exits 2
+    with this message (pipeline/cli.py), before any work."""
+
+
 def engine_share(config: JobConfig) -> placement.Bundle:
     """What one engine actor itself asks for: its CPUs, custom resources and memory."""
     compute = config.compute
@@ -116,7 +121,7 @@ def check_groups_fit(config: JobConfig, gpu: bool, nodes: list[dict[str, float]]
     num = config.compute.num_actors
     problem = placement.groups_infeasible(bundles, strategy, num, nodes)
     if problem is not None:
-        raise ValueError(
+        raise NoRoomError(
             f"{num} engine actors with tp={config.engine.tensor_parallel_size} x "
             f"pp={config.engine.pipeline_parallel_size} need {num} placement groups of "
             f"{bundles} ({strategy}), which can never be placed: {problem}; the cluster's nodes "
@@ -152,9 +157,44 @@ def check_cpu_room(config: JobConfig, gpu: bool, nodes: list[dict[str, float]]) 
         free[best] -= demand
     if not any(room + 1e-9 >= 1 for room in free):
         held = sum(demands)
-        raise ValueError(
+        raise NoRoomError(
             f"the engine and tokenizer actors hold {held:g} CPUs ({sorted(demands, reverse=True)})"
             f" of nodes with {[n.get('CPU', 0.0) for n in nodes]} CPUs and leave no node with a "
             "whole CPU free; Ray Data needs one for its read tasks or the job hangs. Lower "
             "--num-cpus-per-actor, --worker-num-cpus or --num-actors."
         )
+
+
+def actor_demand(config: JobConfig, cluster_has_gpus: bool) -> placement.Bundle:
+    """One single-process engine actor's resources, as `engine_actor_args` asks Ray for them."""
+    gpus = config.compute.num_gpus_per_actor
+    if gpus is None:
+        gpus = 1.0 if cluster_has_gpus else 0.0
+    demand = {k: v for k, v in engine_share(config).items() if v}
+    if gpus:
+        demand["GPU"] = gpus
+    return demand
+
+
+def check_actors_fit(
+    config: JobConfig, cluster_has_gpus: bool, nodes: list[dict[str, float]]
+) -> None:
+    """ValueError, with the arithmetic, when the nodes can never hold `num_actors`
+    single-process engine actors (CPUs, GPUs, custom resources, memory): Ray Data would wait
+    for the missing actors forever. Each node holds as many as its scarcest resource allows."""
+    demand = actor_demand(config, cluster_has_gpus)
+    num = config.compute.num_actors
+    per_node = [
+        min((int(node.get(k, 0.0) / v + 1e-9) for k, v in demand.items()), default=num)
+        for node in nodes
+    ]
+    if sum(per_node) >= num:
+        return
+    shown = {k: (f"{v / 2**30:g} GiB" if k == "memory" else v) for k, v in demand.items()}
+    raise NoRoomError(
+        f"--num-actors {num} engine actors of {shown} each need "
+        + ", ".join(f"{k} {num * v:g}" for k, v in demand.items() if k != "memory")
+        + f", but the cluster's nodes ({nodes}) hold at most {sum(per_node)} of them "
+        f"({per_node} per node). Lower --num-actors, or the share per actor "
+        "(--num-cpus-per-actor, --num-gpus-per-actor, --actor-resource, --memory-gb-per-actor)."
+    )

@@ -64,7 +64,9 @@ class EngineFeed:
     `new_engine` builds a replacement after a worker failure; `close_engine` stops a failed
     engine's workers. `torch_threads` is set in the feed thread itself: torch keeps the intra-op
     thread count per thread for MKL (`mkl_set_num_threads_local`), and a fresh thread starts
-    from OMP_NUM_THREADS, which Ray sets to 1 in a fractional-CPU actor.
+    from OMP_NUM_THREADS, which Ray sets to 1 in a fractional-CPU actor. `on_finished` is
+    called (in the feed thread) with each request's output as it finishes (the job's progress:
+    pipeline/progress.py).
     """
 
     def __init__(
@@ -75,8 +77,10 @@ class EngineFeed:
         *,
         engine_retries: int = 1,
         torch_threads: int | None = None,
+        on_finished: Callable[[RequestOutput], None] | None = None,
     ) -> None:
         self.engine = engine
+        self._on_finished = on_finished
         self._new_engine = new_engine
         self._close_engine = close_engine
         self._engine_retries = engine_retries
@@ -113,7 +117,7 @@ class EngineFeed:
 
         if self._torch_threads:
             torch.set_num_threads(self._torch_threads)
-        logger.info("engine feed thread started (%d torch threads)", torch.get_num_threads())
+        logger.debug("engine feed thread started (%d torch threads)", torch.get_num_threads())
         while True:
             # Block only when the engine has nothing to do; otherwise take what has arrived.
             block = not self._shards
@@ -162,6 +166,8 @@ class EngineFeed:
             samples = shard.results.setdefault(out.request_id, {})
             samples[out.sample_index] = out
             shard.num_results += 1
+            if self._on_finished is not None:
+                self._on_finished(out)
             if len(samples) == shard.num_samples[out.request_id]:
                 del self._active[out.request_id]
             if shard.num_results == shard.expected():

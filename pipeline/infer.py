@@ -40,6 +40,7 @@ from pipeline import group_columns, stage
 from pipeline.feed import EngineFeed
 from pipeline.group_columns import ShardGroups
 from pipeline.logs import setup_worker_logging
+from pipeline.progress import ProgressReporter
 from pipeline.prompts import merge_sampling
 from pipeline.stage import Stage
 
@@ -71,6 +72,7 @@ class InferStage(Stage):
         engine_retries: int = 1,
         with_logprobs: bool = False,
         with_samples: bool = False,
+        progress=None,  # noqa: ANN001 (actor handle of pipeline.progress.ProgressBoard)
         engine=None,  # noqa: ANN001 (actors.LLMEngine or a stand-in)
     ):
         setup_worker_logging()
@@ -84,12 +86,16 @@ class InferStage(Stage):
         self.keep_columns = tuple(keep_columns)
         self.with_logprobs = with_logprobs
         self.with_samples = with_samples
+        engine = engine if engine is not None else self._new_engine()
+        # The job's live progress: each row counted as its request ends (pipeline/progress.py).
+        self.progress = ProgressReporter(progress) if progress is not None else None
         self.feed = EngineFeed(
-            engine if engine is not None else self._new_engine(),
+            engine,
             self._new_engine,
             _close_engine,
             engine_retries=engine_retries,
             torch_threads=torch_threads,
+            on_finished=self.progress.finished if self.progress else None,
         )
 
     @property
@@ -116,7 +122,10 @@ class InferStage(Stage):
         """The shard's outputs, through the feed (other shards run in the same batch); a
         stand-in engine with only `generate` (unit tests) is called directly."""
         if not hasattr(self.engine, "add_prompts"):
-            return self.engine.generate(prompts, params, groups)
+            outputs = self.engine.generate(prompts, params, groups)
+            for out in outputs if self.progress else ():
+                self.progress.finished(out)
+            return outputs
         return self.feed.generate(shard_id, prompts, params, groups)
 
     def required_columns(self) -> tuple[str, ...]:
@@ -173,6 +182,12 @@ class InferStage(Stage):
                     outputs[i] = [next(done) for _ in range(p.n)]
                 # The config asks for the column whenever a row can have n > 1.
                 assert self.with_samples or all(len(o) <= 1 for o in outputs)
+        if self.progress is not None:
+            # Rows without an engine output (an error before the engine, or the engine's
+            # failure) are done too, each with its error.
+            failed = sum(1 for outs in outputs if not outs)
+            self.progress.add(rows=failed, errors=failed)
+            self.progress.flush()
         rows = [i for i, outs in enumerate(outputs) for _ in range(max(1, len(outs)))]
         flat = [out for outs in outputs for out in (outs or [None])]
         table = self._rows(shard, shard_id, members, rows, flat, groups)
@@ -240,7 +255,8 @@ class InferStage(Stage):
         prompt = sum(table.column(stage.NUM_PROMPT_TOKENS).to_pylist())
         cached = sum(table.column(stage.NUM_CACHED_TOKENS).to_pylist())
         errors = table.num_rows - table.column(stage.ERROR).null_count
-        logger.info(
+        # DEBUG: the job's progress line (pipeline/progress.py) says how far it is.
+        logger.debug(
             "shard %s: %d rows (%d errors), %d shared prefix groups, %d prompt tokens "
             "(%d cached), %d generated in %.1fs (%.1f tok/s)",
             shard_id,

@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from pipeline.engine_placement import EnginePlacements
 from pipeline.infer import InferStage
 from pipeline.output import OutputFolder, check_output
 from pipeline.processor import Processor, ProcessorConfig, model_facts
+from pipeline.progress import ProgressBoard
 from pipeline.prompts import SAMPLING_FIELDS, RowIdStage
 from pipeline.read import (
     InputCheck,
@@ -164,11 +166,12 @@ def build_dataset(
     collector=None,  # noqa: ANN001 (actor handle of StatsCollector)
     infer_cls: type[InferStage] = InferStage,
     groups: EnginePlacements | None = None,
+    progress: Any = None,
 ):  # noqa: ANN201 (ray.data.Dataset)
     """The lazy pipeline from the input to the engine's output rows (not yet written): read,
     the job's id stage (stable ids, ids already written dropped, rows registered with the
     `collector`), then the processor's path (`Processor.engine_rows`) with the job's keep
-    columns carried, its collector and its tp x pp placement groups."""
+    columns carried, its collector, its tp x pp placement groups and its `progress` board."""
     compute = config.compute
     ds = read_dataset(
         prepared.source,
@@ -192,12 +195,13 @@ def build_dataset(
         collector=collector,
         placements=groups,
         infer_cls=infer_cls,
+        progress=progress,
     )
 
 
 def check_room(config: JobConfig) -> EnginePlacements | None:
-    """Fail fast (ValueError) where Ray would wait forever: engine groups the nodes can never
-    hold, or actors that leave no node a whole CPU (unless `wait_for_nodes`: an autoscaler
+    """Fail fast (ValueError) where Ray would wait forever: engine groups or engine actors the
+    nodes can never hold, or actors that leave no node a whole CPU (unless `wait_for_nodes`: an autoscaler
     adds nodes). For tp x pp engines, reserve their placement groups (TimeoutError when they
     are not placed in time) and return them."""
     import ray
@@ -217,6 +221,7 @@ def check_room(config: JobConfig) -> EnginePlacements | None:
             check_nodes=check,
         )
     if check:
+        engine_placement.check_actors_fit(config, gpu, nodes)
         engine_placement.check_cpu_room(config, gpu, nodes)
     return None
 
@@ -228,10 +233,13 @@ def run_job(
     infer_cls: type[InferStage] = InferStage,
     on_written: Callable[[Any], None] | None = None,
     folder: OutputFolder | None = None,
+    watch: Callable[[Any, int], AbstractContextManager[Any]] | None = None,
 ) -> Summary:
     """Run the whole job into `config.output` (resuming what is there) and report.
     `on_written` gets the written Ray Dataset, executed (benchmarks read its per-operator
-    stats: `get_stats_summary()`).
+    stats: `get_stats_summary()`). `watch(board, rows_already_done)` is entered while the
+    job runs, with a `pipeline.progress.ProgressBoard` the engine actors report to (the
+    command's progress display: `pipeline.progress.watch`).
 
     The output folder is claimed for the run and its lineage settled (`claim_output`:
     OutputBusyError while another job holds it, LineageMismatch when another lineage produced
@@ -245,6 +253,7 @@ def run_job(
                 infer_cls=infer_cls,
                 on_written=on_written,
                 folder=claimed,
+                watch=watch,
             )
     import ray
 
@@ -259,9 +268,11 @@ def run_job(
         state = scan_output(config.output, prefix, retry_errors=config.retry_errors)
         storage.makedirs(config.output)
         collector = ray.remote(num_cpus=0)(StatsCollector).remote()
+        board = ray.remote(num_cpus=0)(ProgressBoard).remote() if watch else None
+        watching = watch(board, state.num_done) if watch else nullcontext()
         try:
             done = done_filter(state.files, state.num_done)
-            ds = build_dataset(config, prepared, done, collector, infer_cls, groups)
+            ds = build_dataset(config, prepared, done, collector, infer_cls, groups, board)
             # Writer actors gather the shards into files of FilesConfig's size, each visible
             # only when complete (pipeline/writer.py), named with the folder's job token: the
             # only files a rerun reads or deletes.
@@ -271,13 +282,16 @@ def run_job(
                 config.files,
                 config.files.num_writers or config.compute.num_actors,
             )
-            written = sink.write(ds)
+            with watching:
+                written = sink.write(ds)
             plan = ray.get(collector.plan_total.remote())
             if on_written is not None:
                 on_written(written)
             del ds, written  # the executed datasets' per-block stats go with them
         finally:
             ray.kill(collector)
+            if board is not None:
+                ray.kill(board)
     finally:
         if groups is not None:
             groups.remove_all()
@@ -286,7 +300,7 @@ def run_job(
         config.output, written, plan, time.perf_counter() - started, state.num_done
     )
     write_report(config.output, summary, distributions)
-    logger.info("summary: %s", summary.log_line())
+    logger.debug("summary: %s", summary.log_line())  # the command prints it (pipeline/cli.py)
     return summary
 
 

@@ -141,6 +141,7 @@ class Processor:
         collector: Any = None,
         placements: Any = None,
         infer_cls: type[InferStage] = InferStage,
+        progress: Any = None,
     ):  # noqa: ANN201 (ray.data.Dataset)
         """The one path from keyed rows to the engine's rows, for the processor and the
         offline job alike:
@@ -160,7 +161,8 @@ class Processor:
         sends it each partition's figures and keeps one row per id across partitions, by the
         id stage's content column `dedupe.CONTENT`, carried to the plan for it);
         `placements` (`EnginePlacements`, a placement group per tp x pp engine actor);
-        `infer_cls` (the engine stage; tests subclass it to kill actors)."""
+        `infer_cls` (the engine stage; tests subclass it to kill actors); `progress` (a
+        `pipeline.progress.ProgressBoard` handle the engine actors report finished rows to)."""
         import ray.data
 
         config, compute = self.config, self.config.compute_config
@@ -215,6 +217,7 @@ class Processor:
                     engine_retries=compute.engine_retries,
                     with_logprobs=config.with_logprobs,
                     with_samples=config.with_samples,
+                    **({"progress": progress} if progress is not None else {}),
                 ),
                 batch_format="pyarrow",
                 batch_size=1,

@@ -16,6 +16,19 @@ import argparse
 from pipeline.chat_template import parse_template_kwargs, read_chat_template
 from pipeline.cli import HelpFormatter, add_engine_args, add_io_args, job_config, run
 from pipeline.config import JobConfig, PromptConfig
+from pipeline.console import ConsoleOptions, add_console_flags
+from pipeline.help_groups import lead_with
+
+# Shown first in --help (pipeline/help_groups.py): what most runs set.
+COMMON_FLAGS = (
+    "--input",
+    "--output",
+    "--prompt-column",
+    "--template",
+    "--messages-column",
+    "--model",
+    "--max-tokens",
+)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -24,7 +37,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
     )
     add_io_args(parser)
-    prompt = parser.add_argument_group("prompt (exactly one of the first three)")
+    prompt = parser.add_argument_group(
+        "prompt (its source: one of --prompt-column, --template, --messages-column, above)"
+    )
     source = prompt.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt-column", help="column holding the prompt text")
     source.add_argument(
@@ -80,6 +95,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="name of the generated text column",
     )
     add_engine_args(parser)
+    add_console_flags(parser)
+    lead_with(parser, COMMON_FLAGS)
     return parser
 
 
@@ -107,4 +124,4 @@ def build_config(args: argparse.Namespace) -> JobConfig:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the job; the exit status."""
     args = build_parser(prog).parse_args(argv)
-    return run(lambda: build_config(args), args.num_cpus, args.json)
+    return run(lambda: build_config(args), args.num_cpus, args.json, ConsoleOptions.from_args(args))

@@ -95,13 +95,21 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     import ray
     from ray import serve
 
-    from pipeline.serve.app import build_app
+    from pipeline.serve.app import build_app, prefix_routed
+    from pipeline.serve.fit import fit_to_cluster
 
     port = args.port or free_port(args.host)
     # Serve's proxy answers a non-UTF-8 X-Request-ID with a text/plain 500 before the app
     # sees it; a local Ray's proxy inherits this variable and drops such a header instead.
     use_in_proxy(os.environ)
     ray.init(address=args.address, num_cpus=args.ray_num_cpus, include_dashboard=False)
+    try:  # replicas the cluster cannot hold: exit now, naming the flags (Serve would wait)
+        config = fit_to_cluster(config, prefix_routed(config))
+    except ValueError as exc:
+        logger.error("%s", exc)
+        ray.shutdown()
+        return 2
+    logger.info("each replica takes %g CPUs", config.num_cpus)
     interrupt_on_signals()
     try:  # an interrupt while starting stops as cleanly as one while serving
         serve.start(http_options={"host": args.host, "port": port})

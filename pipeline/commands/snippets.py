@@ -15,6 +15,8 @@ import argparse
 
 from pipeline.cli import HelpFormatter, add_engine_args, add_io_args, job_config, run
 from pipeline.config import JobConfig, PromptConfig
+from pipeline.console import ConsoleOptions, add_console_flags
+from pipeline.help_groups import lead_with
 
 SYSTEM_PROMPT = (
     "You write search result snippets. Given a document and a search query, reply with the "
@@ -30,6 +32,17 @@ def snippet_prompt(document_column: str, query_column: str) -> PromptConfig:
             raise ValueError(f"column names must be identifiers for the template, got {name!r}")
     template = f"Document:\n{{{document_column}}}\n\nQuery: {{{query_column}}}\n\nSnippet:"
     return PromptConfig(template=template, chat=True, system_prompt=SYSTEM_PROMPT)
+
+
+# Shown first in --help (pipeline/help_groups.py): what most runs set.
+COMMON_FLAGS = (
+    "--input",
+    "--output",
+    "--document-column",
+    "--query-column",
+    "--model",
+    "--max-tokens",
+)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -48,6 +61,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add_engine_args(parser)
     # A snippet is a sentence or two: a blank line ends it (small models repeat themselves).
     parser.set_defaults(max_tokens=48, stop=["\n\n"])
+    add_console_flags(parser)
+    lead_with(parser, COMMON_FLAGS)
     return parser
 
 
@@ -62,4 +77,4 @@ def build_config(args: argparse.Namespace) -> JobConfig:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the job; the exit status."""
     args = build_parser(prog).parse_args(argv)
-    return run(lambda: build_config(args), args.num_cpus, args.json)
+    return run(lambda: build_config(args), args.num_cpus, args.json, ConsoleOptions.from_args(args))

@@ -29,6 +29,7 @@ from pipeline.serve.auth import check_api_key, load_api_keys
 from pipeline.serve.cli import serve_config_from_app_args
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.errors import APIError
+from pipeline.serve.fit import FRONT_NUM_CPUS, fit_to_cluster
 from pipeline.serve.front import PrefixFront, run_asgi
 from pipeline.serve.gate import AdmissionGate, arrival_of
 from pipeline.serve.guard import GuardMiddleware, guard_limits
@@ -43,8 +44,6 @@ from pipeline.serve.tokens import detokenize, model_card, tokenize
 
 logger = logging.getLogger(__name__)
 
-# CPUs of the prefix-routing front's replica: it reads bodies and passes messages on.
-FRONT_NUM_CPUS = 0.1
 # OpenAI-style codes for the routing errors Starlette raises itself.
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -292,6 +291,9 @@ def build_app(args: ServeConfig | Mapping[str, Any]) -> Application:
         config = args
     else:
         config = serve_config_from_app_args(args)
+    # The replicas' CPUs fitted to the cluster, or a ValueError naming the flags: Serve itself
+    # would wait for CPUs that are not there forever (pipeline/serve/fit.py).
+    config = fit_to_cluster(config, prefix_routed(config))
     deployment = OpenAIDeployment.options(  # type: ignore[attr-defined]
         max_ongoing_requests=config.ongoing_limit,
         **backpressure_options(config, config.queued_limit),

@@ -102,7 +102,13 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-keys-env", default=API_KEYS_ENV, help="env var with comma-separated API keys"
     )
     group.add_argument("--api-keys-file", default=None, help="file with one API key per line")
-    group.add_argument("--num-cpus", type=float, default=d.num_cpus, help="CPUs for each replica")
+    group.add_argument(
+        "--num-cpus",
+        type=float,
+        default=d.num_cpus,
+        help="CPUs for each replica (default: fitted to the Ray cluster, (CPUs - the routing "
+        "front's 0.1) / replicas, at most 1; more than the cluster has exits 2)",
+    )
     group.add_argument(
         "--body-timeout-s", type=float, default=d.body_timeout_s, help="whole body within (408)"
     )

@@ -75,7 +75,8 @@ class ServeConfig:
     # times the highest replica count); -1: no limit (Serve's default).
     max_queued_requests: int | None = None
     # CPUs reserved for each replica's actor (fractions allowed); on GPUs, one GPU each too.
-    num_cpus: float = 1.0
+    # None: fitted to the Ray cluster when the app is built (pipeline/serve/fit.py).
+    num_cpus: float | None = None
     # Text inside chat messages that spells a special token (`<|im_end|>`) is tokenized as
     # plain text, so a client cannot forge a turn; True tokenizes it as the token (HF's default).
     allow_special_tokens_in_messages: bool = False
@@ -126,7 +127,7 @@ class ServeConfig:
                 "default_completion_tokens must be in [1, max_tokens_limit="
                 f"{self.max_tokens_limit}], got {self.default_completion_tokens}"
             )
-        if self.num_cpus < 0:
+        if self.num_cpus is not None and self.num_cpus < 0:
             raise ValueError(f"num_cpus must be >= 0, got {self.num_cpus}")
 
     @property

@@ -1,0 +1,183 @@
+"""What a job command prints: the progress line (pipeline/progress.py), a quiet console
+(pipeline/console.py), `--help` that starts with the common flags (pipeline/help_groups.py),
+`raypack --version`; and one tiny job through the CLI that shows them all."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.commands import generate, snippets
+from pipeline.console import HARMLESS_STDERR
+from pipeline.help_groups import COMMON_TITLE
+from pipeline.progress import Counts, Progress, ProgressDisplay
+from tests.pipeline.data import MALFORMED, TEMPLATE, rows
+from tests.pipeline.test_commands import ROOT, raypack
+
+# A line a clean run must not print: a log record at WARNING or above, a Python warning, a
+# C++ error line of Ray's (`[time E pid tid] file.cc:line: ...`).
+NOT_CLEAN = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Warning:|^\S*\[[^\]]* [EF] \d+ \d+\]")
+
+
+def test_progress_figures() -> None:
+    counts = Counts(
+        rows=30, errors=2, prompt_tokens=1000, cached_tokens=700, generated_tokens=600, started=100
+    )
+    p = Progress.of(counts, total=100, done_before=10, now=130)
+    assert p.done == 40 and p.errors == 2
+    assert p.generated_tokens_per_s == pytest.approx(20.0)
+    assert p.cache_saving == pytest.approx(0.7)
+    assert p.eta_s == pytest.approx(60 / 1.0)  # 60 rows left at 30 rows / 30 s
+    # The recent rate, when given: 20 rows in the last 5 s.
+    recent = Progress.of(counts, total=100, done_before=10, now=130, earlier=(125, 10))
+    assert recent.eta_s == pytest.approx(60 / 4.0)
+    assert p.line().startswith("progress: 40/100 rows (40%), 20.0 generated tok/s")
+    assert "prefix cache saved 70%" in p.line() and "2 errors" in p.line()
+    assert "ETA 1:00" in p.line()
+    # No engine ready yet, no total known: no rate, no time left, no percentage.
+    idle = Progress.of(Counts(), total=None, done_before=0, now=5)
+    assert idle.eta_s is None and idle.line().startswith("progress: 0 rows, 0.0 generated")
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_a_live_bar_and_a_pipe_gets_lines() -> None:
+    counts = Counts(rows=3, prompt_tokens=100, cached_tokens=50, generated_tokens=30, started=0)
+    tty = Terminal()
+    bar = ProgressDisplay(board=None, total=10, done_before=2, stream=tty)
+    assert bar.live and bar.interval_s == 1.0
+    bar.open()
+    bar.render(counts, now=10.0)
+    bar.close()
+    drawn = tty.getvalue()
+    assert "\r" in drawn and "5/10 rows" in drawn and "3.0 generated tok/s" in drawn
+    assert "prefix cache saved 50%" in drawn and "ETA 0:17" in drawn  # 5 left at 0.3 rows/s
+    pipe = io.StringIO()
+    lines = ProgressDisplay(board=None, total=10, done_before=2, stream=pipe)
+    assert not lines.live and lines.interval_s == 10.0
+    lines.open()  # nothing on a pipe
+    lines.render(counts, now=10.0)
+    lines.render(Counts(rows=8, started=0), now=20.0)
+    assert pipe.getvalue().splitlines() == [
+        "progress: 5/10 rows (50%), 3.0 generated tok/s, prefix cache saved 50% of prompt "
+        "tokens, 0 errors, ETA 0:17",
+        # The recent rate: 5 rows in the last 10 s.
+        "progress: 10/10 rows (100%), 0.0 generated tok/s, prefix cache saved 0% of prompt "
+        "tokens, 0 errors, ETA 0:00",
+    ]
+
+
+def test_counts_add_up_with_the_earliest_start() -> None:
+    total = Counts()
+    total.add(Counts(rows=2, generated_tokens=5, started=20.0))
+    total.add(Counts(rows=3, errors=1, started=10.0))
+    total.add(Counts(rows=1))  # a reporter that sent before its start (never: still summed)
+    assert (total.rows, total.errors, total.generated_tokens, total.started) == (6, 1, 5, 10.0)
+
+
+@pytest.mark.parametrize(
+    "command, first",
+    [
+        (generate, ["--input", "--output", "--prompt-column", "--template", "--messages-column"]),
+        (snippets, ["--input", "--output", "--document-column", "--query-column"]),
+    ],
+)
+def test_help_starts_with_the_common_flags(command, first) -> None:
+    text = command.build_parser("raypack x").format_help()
+    usage, _, rest = text.partition("\n\n")
+    assert "[options]" in usage and "--num-actors" not in usage
+    groups = re.findall(r"^(\S[^\n]*):$", rest.split("\n\n", 1)[1], flags=re.M)
+    assert groups[0] == COMMON_TITLE, groups
+    common = rest.split(COMMON_TITLE, 1)[1].split("\n\n", 1)[0]
+    flags = re.findall(r"^  (--[a-z-]+)", common, flags=re.M)
+    assert flags == [*first, "--model", "--max-tokens"]
+    # The rest are below, in their groups; parsing is unchanged.
+    for group in ("compute", "console", "plan"):
+        assert f"\n{group}:" in text
+    args = command.build_parser().parse_args(
+        ["--input", "i", "--output", "o", "--max-tokens", "3"]
+        + (["--prompt-column", "p"] if command is generate else [])
+    )
+    assert (args.input, args.output, args.max_tokens, args.log_level) == ("i", "o", 3, "INFO")
+
+
+def test_version() -> None:
+    done = raypack("--version")
+    assert done.returncode == 0 and re.fullmatch(r"raypack \S+\n", done.stdout), done.stdout
+
+
+def test_the_harmless_core_worker_line_is_the_one_dropped() -> None:
+    line = (
+        "[2026-11-26 09:25:58,997 E 6468 6468] core_worker.cc:2465: Actor with class name: "
+        "'MapWorker(MapBatches(RowIdStage)->MapBatches(TokenizeStage))' and ID: 'f769' has "
+        "constructor arguments in the object store and max_restarts > 0."
+    )
+    assert any(p.search(line) for p in HARMLESS_STDERR) and NOT_CLEAN.search(line)
+    other = "[2026-11-26 09:25:58,997 E 6468 6468] core_worker.cc:99: Failed to connect"
+    assert not any(p.search(other) for p in HARMLESS_STDERR)
+
+
+def test_filter_stderr_drops_only_the_harmless_lines() -> None:
+    """On a real fd 2 (a subprocess: pytest captures this one's): C-level writes and Python's
+    pass through in order, a bar without newline at once, the core worker's line not at all."""
+    script = (
+        "import os, sys\n"
+        "from pipeline.console import filter_stderr\n"
+        "with filter_stderr():\n"
+        "    os.write(2, b'one\\n[2026-11-26 09:25:58,997 E 6468 6468] core_worker.cc:2465: '\n"
+        "             b'Actor with class name: \\'X\\' and ID: \\'y\\' has constructor arguments '\n"
+        "             b'in the object store and max_restarts > 0.\\nbar\\r')\n"
+        "    print('two', file=sys.stderr)\n"
+        "    os.write(2, b'[2026 E 1 1] core_worker.cc:9: something else\\n')\n"
+        "print('after', file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == b"one\nbar\rtwo\n[2026 E 1 1] core_worker.cc:9: something else\nafter\n"
+
+
+@pytest.mark.slow
+def test_a_job_shows_moving_progress_and_prints_nothing_alarming(
+    ray_cluster, prompt_table, tiny_model_dir, tmp_path
+) -> None:
+    output = tmp_path / "out"
+    done = raypack(
+        "generate", "--input", str(prompt_table), "--output", str(output),
+        "--template", TEMPLATE, "--model", str(tiny_model_dir),
+        # Long enough to be watched: 300 tokens each, 4 sequences at a time, small shards.
+        "--max-tokens", "300", "--ignore-eos", "--max-num-seqs", "4",
+        "--max-rows-per-shard", "8", "--num-partitions", "1",
+        "--num-cpus-per-actor", "0.25", "--progress-interval", "0.5",
+        env={**os.environ, "RAY_ADDRESS": ray_cluster},
+        timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = (done.stdout + done.stderr).splitlines()
+    alarming = [line for line in lines if NOT_CLEAN.search(line)]
+    assert not alarming, alarming
+    progress = [line for line in lines if line.startswith("progress: ")]
+    counts = [int(re.match(r"progress: (\d+)/", line).group(1)) for line in progress]
+    total = len(rows())
+    assert all(f"/{total} rows" in line for line in progress), progress
+    assert counts == sorted(counts) and len(set(counts)) >= 2, progress  # it moves
+    # Without --sampling-column(s) only the null and the too long document are errors.
+    failing = MALFORMED - {"unknown-override", "bad-override"}
+    assert counts[-1] == total and f"{len(failing)} errors" in progress[-1], progress
+    summaries = [line for line in done.stdout.splitlines() if "prefix saving" in line]
+    assert len(summaries) == 1, done.stdout
+    assert f"output: {output}" in done.stdout
+    assert f"report: {output}/_report.png" in done.stdout
+    assert (output / "_report.png").exists()
