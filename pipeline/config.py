@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from actors.config import EngineConfig, SamplingParams
+from pipeline import columns
 
 InputFormat = Literal["parquet", "jsonl", "csv", "hf"]
 _FORMATS = ("parquet", "jsonl", "csv", "hf")
@@ -38,9 +39,10 @@ class InputConfig:
             raise ValueError("input path is empty")
         if self.format is not None and self.format not in _FORMATS:
             raise ValueError(f"input format must be one of {_FORMATS}, got {self.format!r}")
-        object.__setattr__(self, "keep_columns", tuple(self.keep_columns))
-        if OUTPUT_ID in self.keep_columns:
-            raise ValueError(f"keep_columns cannot hold {OUTPUT_ID!r}: the output has its own id")
+        object.__setattr__(self, "keep_columns", tuple(dict.fromkeys(self.keep_columns)))
+        columns.check_written("--keep-columns", self.keep_columns)
+        if self.id_column is not None:
+            columns.check_read("--id-column", [self.id_column], None)
 
 
 @dataclass(frozen=True)
@@ -280,8 +282,19 @@ class JobConfig:
     def __post_init__(self) -> None:
         if not self.output:
             raise ValueError("output path is empty")
-        if self.text_column in self.input.keep_columns:
-            raise ValueError(f"keep_columns cannot hold the text column {self.text_column!r}")
+        if not self.text_column:
+            raise ValueError("--text-column is empty")
+        columns.check_written("--text-column", [self.text_column])
+        columns.check_written("--keep-columns", self.input.keep_columns, self.text_column)
+        prompt, id_column = self.prompt, self.input.id_column
+        for flag, names in (
+            ("--prompt-column", [prompt.prompt_column]),
+            ("--messages-column", [prompt.messages_column]),
+            ("--template", prompt.template_fields),
+            ("--sampling-columns", prompt.override_columns),
+            ("--sampling-column", [prompt.sampling_column]),
+        ):
+            columns.check_read(flag, [n for n in names if n], id_column)
         if self.engine.world_size > 1 and self.compute.num_gpus_per_actor:
             raise ValueError(
                 "with tensor/pipeline parallel engines each worker takes one GPU in the engine's "

@@ -70,8 +70,11 @@ class RowIdStage(Stage):
             ids = [content_id(row) for row in rows]
         # The row's content, so rows that share an id can be told apart (pipeline/dedupe.py).
         hashes = ids if self.id_column is None else [content_id(row) for row in rows]
-        if stage.ID in batch.column_names:
-            batch = batch.drop_columns([stage.ID])
+        # The input's own `id` and a column named like the content hash make way for ours
+        # (pipeline/columns.py refuses flags that would read them).
+        replaced = [c for c in (stage.ID, dedupe.CONTENT) if c in batch.column_names]
+        if replaced:
+            batch = batch.drop_columns(replaced)
         table = batch.add_column(0, stage.ID, pa.array(ids, pa.string()))
         table = table.append_column(dedupe.CONTENT, pa.array(hashes, pa.string()))
         if self.done_ids:
