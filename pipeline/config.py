@@ -103,23 +103,15 @@ class PromptConfig:
 
     @property
     def template_fields(self) -> tuple[str, ...]:
-        """The column names a template refers to, in order of first use."""
+        """The column names a template refers to, in order of first use, the fields inside a
+        field's format spec too (`{prompt:>{width}}` uses `width`)."""
         if self.template is None:
             return ()
         names: list[str] = []
         try:
-            parsed = list(string.Formatter().parse(self.template))
+            _template_fields(self.template, names, depth=0)
         except ValueError as exc:
-            raise ValueError(f"template {self.template!r} is malformed: {exc}") from None
-        for _, name, _, _ in parsed:
-            if name is None:
-                continue
-            if not name or not name.isidentifier():
-                raise ValueError(
-                    f"template fields must be column names like {{document}}, got {{{name}}}"
-                )
-            if name not in names:
-                names.append(name)
+            raise ValueError(f"--template {self.template!r} is malformed: {exc}") from None
         return tuple(names)
 
     @property
@@ -135,6 +127,27 @@ class PromptConfig:
     def uses_chat_template(self) -> bool:
         """True when the prompt text comes out of the tokenizer's chat template."""
         return self.chat or self.messages_column is not None
+
+
+def _template_fields(template: str, names: list[str], depth: int) -> None:
+    """Add the fields of `template` (and of its fields' format specs) to `names`; ValueError
+    on a field that is no column name, an unknown conversion or specs nested too deep (as
+    `str.format`, one level)."""
+    for _, name, spec, conversion in string.Formatter().parse(template):
+        if name is None:
+            continue
+        if not name or not name.isidentifier():
+            raise ValueError(
+                f"template fields must be column names like {{document}}, got {{{name}}}"
+            )
+        if conversion not in (None, "r", "s", "a"):
+            raise ValueError(f"field {{{name}!{conversion}}}: the conversion must be !r, !s or !a")
+        if name not in names:
+            names.append(name)
+        if spec and "{" in spec:
+            if depth > 0:
+                raise ValueError(f"field {{{name}}}: format specs nest one level at most")
+            _template_fields(spec, names, depth + 1)
 
 
 @dataclass(frozen=True)
