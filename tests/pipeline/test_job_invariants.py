@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.columns import INTERNAL_COLUMNS, RESERVED_COLUMNS
@@ -49,6 +49,11 @@ NAMES = (
 )
 TEMPERATURES = ("0", "0.5", "hot", "", "1e300", None)
 SOURCES = ("column", "template", "missing")
+TEXT_ID = {
+    "id": [f"u{i}" for i in range(4)],
+    "prompt": [f"row {i}: what is the sky?" for i in range(4)],
+    "shard": ["mine"] * 4,
+}
 
 
 @st.composite
@@ -167,6 +172,22 @@ def test_checks_before_ray_accept_or_refuse_naming_a_flag_or_the_input(job, tiny
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(job=jobs(runnable=True))
+# The first audit's cases (issue 31 items 1 and 6): before the reserved columns were checked,
+# the first lost and doubled ids on its rerun, the second crashed the job.
+@example(
+    job={
+        "table": TEXT_ID,
+        "format": "csv",
+        "flags": ["--prompt-column", "prompt", "--text-column", "id"],
+    }
+)
+@example(
+    job={
+        "table": TEXT_ID,
+        "format": "jsonl",
+        "flags": ["--prompt-column", "prompt", "--keep-columns", "shard"],
+    }
+)
 def test_whole_jobs_end_in_exit_0_with_every_row_once_or_exit_2(ray_cluster, tiny_model_dir, job):
     from pipeline.commands.generate import main
 
