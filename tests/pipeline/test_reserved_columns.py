@@ -89,3 +89,21 @@ def test_cli_refuses_a_clash_with_exit_2_before_ray(tiny_model_dir, tmp_path):
         assert message in done.stderr, done.stderr[-2000:]
         assert "Traceback" not in done.stderr
         assert not (tmp_path / "out").exists()  # before any work
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--output-column", "id"], "--output-column 'id'"),
+        (["--query-column", "shard"], r"--query-column \(kept\) 'shard'"),
+        (["--query-column", "snippet"], r"--query-column \(kept\) 'snippet'.*generated text"),
+        (["--document-column", dedupe.CONTENT], "--document-column"),
+        (["--id-column", "key", "--query-column", "id"], "--query-column 'id'"),
+    ],
+)
+def test_snippets_names_its_own_flags(tmp_path, flags, message):
+    from pipeline.commands.snippets import build_config, build_parser
+
+    base = ["--input", str(tmp_path / "x.jsonl"), "--output", str(tmp_path / "out")]
+    with pytest.raises(ValueError, match=message):
+        build_config(build_parser().parse_args([*base, *flags]))
