@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from actors.config import EngineConfig, SamplingParams
+from pipeline import columns
 
 InputFormat = Literal["parquet", "jsonl", "csv", "hf"]
 _FORMATS = ("parquet", "jsonl", "csv", "hf")
@@ -39,9 +40,10 @@ class InputConfig:
             raise ValueError("input path is empty")
         if self.format is not None and self.format not in _FORMATS:
             raise ValueError(f"input format must be one of {_FORMATS}, got {self.format!r}")
-        object.__setattr__(self, "keep_columns", tuple(self.keep_columns))
-        if OUTPUT_ID in self.keep_columns:
-            raise ValueError(f"keep_columns cannot hold {OUTPUT_ID!r}: the output has its own id")
+        object.__setattr__(self, "keep_columns", tuple(dict.fromkeys(self.keep_columns)))
+        columns.check_written("--keep-columns", self.keep_columns)
+        if self.id_column is not None:
+            columns.check_read("--id-column", [self.id_column], None)
 
 
 @dataclass(frozen=True)
@@ -115,23 +117,15 @@ class PromptConfig:
 
     @property
     def template_fields(self) -> tuple[str, ...]:
-        """The column names a template refers to, in order of first use."""
+        """The column names a template refers to, in order of first use, the fields inside a
+        field's format spec too (`{prompt:>{width}}` uses `width`)."""
         if self.template is None:
             return ()
         names: list[str] = []
         try:
-            parsed = list(string.Formatter().parse(self.template))
+            _template_fields(self.template, names, depth=0)
         except ValueError as exc:
-            raise ValueError(f"template {self.template!r} is malformed: {exc}") from None
-        for _, name, _, _ in parsed:
-            if name is None:
-                continue
-            if not name or not name.isidentifier():
-                raise ValueError(
-                    f"template fields must be column names like {{document}}, got {{{name}}}"
-                )
-            if name not in names:
-                names.append(name)
+            raise ValueError(f"--template {self.template!r} is malformed: {exc}") from None
         return tuple(names)
 
     @property
@@ -162,6 +156,27 @@ def check_chat_template(template: object, kwargs: object) -> None:
         json.dumps(kwargs)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"chat_template_kwargs must be JSON values: {exc}") from None
+
+
+def _template_fields(template: str, names: list[str], depth: int) -> None:
+    """Add the fields of `template` (and of its fields' format specs) to `names`; ValueError
+    on a field that is no column name, an unknown conversion or specs nested too deep (as
+    `str.format`, one level)."""
+    for _, name, spec, conversion in string.Formatter().parse(template):
+        if name is None:
+            continue
+        if not name or not name.isidentifier():
+            raise ValueError(
+                f"template fields must be column names like {{document}}, got {{{name}}}"
+            )
+        if conversion not in (None, "r", "s", "a"):
+            raise ValueError(f"field {{{name}!{conversion}}}: the conversion must be !r, !s or !a")
+        if name not in names:
+            names.append(name)
+        if spec and "{" in spec:
+            if depth > 0:
+                raise ValueError(f"field {{{name}}}: format specs nest one level at most")
+            _template_fields(spec, names, depth + 1)
 
 
 @dataclass(frozen=True)
@@ -309,8 +324,19 @@ class JobConfig:
     def __post_init__(self) -> None:
         if not self.output:
             raise ValueError("output path is empty")
-        if self.text_column in self.input.keep_columns:
-            raise ValueError(f"keep_columns cannot hold the text column {self.text_column!r}")
+        if not self.text_column:
+            raise ValueError("--text-column is empty")
+        columns.check_written("--text-column", [self.text_column])
+        columns.check_written("--keep-columns", self.input.keep_columns, self.text_column)
+        prompt, id_column = self.prompt, self.input.id_column
+        for flag, names in (
+            ("--prompt-column", [prompt.prompt_column]),
+            ("--messages-column", [prompt.messages_column]),
+            ("--template", prompt.template_fields),
+            ("--sampling-columns", prompt.override_columns),
+            ("--sampling-column", [prompt.sampling_column]),
+        ):
+            columns.check_read(flag, [n for n in names if n], id_column)
         if self.engine.world_size > 1 and self.compute.num_gpus_per_actor:
             raise ValueError(
                 "with tensor/pipeline parallel engines each worker takes one GPU in the engine's "

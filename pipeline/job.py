@@ -70,7 +70,7 @@ def prepare(config: JobConfig) -> PreparedJob:
     FileNotFoundError before any work if something is wrong."""
     from actors.loader import resolve
 
-    source = resolve_input(config.input)
+    source = resolve_input(config.input, exclude=config.output)
     columns = input_columns(source, config.input.hf_split)
     prompt = config.prompt
     id_column = config.input.id_column

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
+import string
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -70,8 +72,11 @@ class RowIdStage(Stage):
             ids = [content_id(row) for row in rows]
         # The row's content, so rows that share an id can be told apart (pipeline/dedupe.py).
         hashes = ids if self.id_column is None else [content_id(row) for row in rows]
-        if stage.ID in batch.column_names:
-            batch = batch.drop_columns([stage.ID])
+        # The input's own `id` and a column named like the content hash make way for ours
+        # (pipeline/columns.py refuses flags that would read them).
+        replaced = [c for c in (stage.ID, dedupe.CONTENT) if c in batch.column_names]
+        if replaced:
+            batch = batch.drop_columns(replaced)
         table = batch.add_column(0, stage.ID, pa.array(ids, pa.string()))
         table = table.append_column(dedupe.CONTENT, pa.array(hashes, pa.string()))
         if self.done_ids:
@@ -165,7 +170,7 @@ class PromptBuilder:
                 if row[name] is None:
                     raise RowError(f"column {name!r} is null")
                 values[name] = row[name]
-            text = config.template.format(**values)  # type: ignore[union-attr]
+            text = _render(config.template, values)  # type: ignore[arg-type]
         if not text.strip():
             raise RowError("prompt is empty")
         if not config.chat:
@@ -316,6 +321,32 @@ def _parse(text: str, name: str, where: str, parse: Any) -> Any:
     except (ValueError, OverflowError):
         kind = "an integer" if parse is _int_text else "a number"
         raise RowError(f"{where}: {text[:100]!r} is not {kind} ({name} must be {kind})") from None
+
+
+# A field's width or precision at most this: `{prompt:>{n}}` with n = 10**9 would build a
+# gigabyte before the prompt's length is ever checked. A prompt that long exceeds any context.
+MAX_FORMAT_WIDTH = 1_000_000
+
+
+class _RowFormatter(string.Formatter):
+    """`str.format` as Python's own Formatter does it (nested specs, conversions), with the
+    widths and precisions a row's values give bounded."""
+
+    def format_field(self, value: Any, format_spec: str) -> Any:
+        numbers = [int(d) for d in re.findall(r"\d+", format_spec)]
+        if numbers and max(numbers) > MAX_FORMAT_WIDTH:
+            raise ValueError(f"format spec {format_spec!r} asks for over {MAX_FORMAT_WIDTH} chars")
+        return super().format_field(value, format_spec)
+
+
+def _render(template: str, values: Mapping[str, Any]) -> str:
+    """The template over one row's values; RowError on anything the row's values make
+    `format` raise (a spec that does not fit the value's type, a bad nested width...), so
+    one row never stops the job."""
+    try:
+        return _RowFormatter().vformat(template, (), values)
+    except Exception as exc:  # noqa: BLE001 (format raises what the value's __format__ does)
+        raise RowError(f"template cannot render this row: {type(exc).__name__}: {exc}") from None
 
 
 def _text(value: Any, column: str) -> str:

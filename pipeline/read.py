@@ -8,16 +8,17 @@ names what exists.
 from __future__ import annotations
 
 import csv
-import gzip
-import io
 import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+
 from pipeline import storage
 from pipeline.config import InputConfig, InputFormat
+from pipeline.input_check import InputCheck, check_files, open_text
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +42,13 @@ class InputSource:
     paths: tuple[str, ...]
 
 
-def resolve_input(config: InputConfig) -> InputSource:
+def resolve_input(config: InputConfig, exclude: str | None = None) -> InputSource:
     """Expand the path (file, folder or glob; local or a URI, see pipeline/storage.py) and
-    settle the format; ValueError when nothing readable is there."""
+    settle the format; ValueError when nothing readable is there, or when the files are of
+    several formats (the job reads one).
+
+    Files inside the folder `exclude` (the job's --output) are no input: an output folder
+    inside the input folder would otherwise be read back as input on every rerun."""
     path = config.path
     remote = storage.is_remote(path)
     if config.format == "hf" or (not remote and os.path.isdir(path) and _is_hf_folder(Path(path))):
@@ -69,17 +74,69 @@ def resolve_input(config: InputConfig) -> InputSource:
         files = [path]
     else:
         raise ValueError(f"input {path!r} does not exist")
+    if exclude is not None:
+        files = [f for f in files if not _inside(f, exclude)]
+        if not files:
+            raise ValueError(
+                f"input {path!r}: every file is inside --output {exclude!r} (the job never "
+                "reads its output as input)"
+            )
     fmt = config.format or _format_of(files[0])
     if fmt is None:
         raise ValueError(
             f"cannot tell the format of {files[0]!r} from its name; "
             "pass the format (parquet, jsonl, csv or hf)"
         )
+    _check_one_format(path, files, fmt)
     return InputSource(fmt, tuple(files))
 
 
+def _check_one_format(path: str, files: list[str], fmt: str) -> None:
+    """ValueError naming the files whose names say another format than `fmt` (files whose
+    names say none are read as `fmt`)."""
+    by_format: dict[str, list[str]] = {}
+    for f in files:
+        by_format.setdefault(_format_of(f) or fmt, []).append(storage.basename(f))
+    if len(by_format) > 1:
+        described = "; ".join(
+            f"{len(names)} {name} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+            for name, names in by_format.items()
+        )
+        raise ValueError(
+            f"input {path!r} mixes file formats: {described}. The job reads one format: "
+            "point --input at one format's files (a glob such as 'folder/*.parquet')"
+        )
+
+
+def _inside(file: str, folder: str) -> bool:
+    """Whether `file` is below `folder` (both local, or both URIs)."""
+    if storage.is_remote(file) != storage.is_remote(folder):
+        return False
+    if storage.is_remote(file):
+        return file.startswith(folder.rstrip("/") + "/")
+    root = os.path.realpath(storage.local_path(folder))
+    return os.path.realpath(storage.local_path(file)).startswith(root.rstrip(os.sep) + os.sep)
+
+
 def input_columns(source: InputSource, hf_split: str | None = None) -> list[str]:
-    """The column names of the input, read from one file's header (or the first JSONL rows)."""
+    """The column names of the input, read from one file's header (or the first JSONL rows);
+    ValueError naming the file when it cannot be read."""
+    first = source.paths[0]
+    try:
+        return _columns(source, hf_split)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"input {first}: not UTF-8 text ({exc})") from None
+    except Exception as exc:  # pyarrow's ArrowInvalid / OSError on a cut or foreign file
+        if isinstance(exc, ValueError | FileNotFoundError) and not isinstance(
+            exc, pa.ArrowException
+        ):
+            raise  # ours, naming the file already
+        raise ValueError(
+            f"input {first}: not a readable {source.format} file ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _columns(source: InputSource, hf_split: str | None) -> list[str]:
     first = source.paths[0]
     if source.format == "parquet":
         import pyarrow.parquet as pq
@@ -88,7 +145,7 @@ def input_columns(source: InputSource, hf_split: str | None = None) -> list[str]
         return list(pq.read_schema(inner, filesystem=fs).names)
     if source.format == "jsonl":
         keys: dict[str, None] = {}
-        with _open_text(first) as fh:
+        with open_text(first) as fh:
             for line_no, line in enumerate(fh):
                 if line_no >= _PEEK_LINES:
                     break
@@ -104,7 +161,7 @@ def input_columns(source: InputSource, hf_split: str | None = None) -> list[str]
                     keys.update(dict.fromkeys(row))
         return list(keys)
     if source.format == "csv":
-        with _open_text(first) as fh:
+        with open_text(first) as fh:
             header = next(csv.reader(fh), [])
         return list(header)
     return list(_load_hf(first, hf_split).column_names)
@@ -119,31 +176,12 @@ def check_columns(available: list[str], needed: dict[str, str], path: str) -> No
 
 
 def check_input(source: InputSource) -> InputCheck:
-    """Read every input file once and fail (ValueError naming the file, and the line for text
-    formats) on what a reader would otherwise misread or fail on inside the job.
-
-    CSV is parsed strictly: an unterminated quote (pyarrow's reader takes the rest of the file
-    into that value without a word), or a line with more or fewer values than the header.
-    JSONL: a line that is not a JSON object. Parquet: a file without a readable footer (cut,
-    or not Parquet). Text formats cost one pass of Python's parsers on the driver (tens of
-    MB/s), small beside generating for the same rows.
-    """
-    multiline = False
-    for path in source.paths:
-        if source.format == "parquet":
-            _check_parquet(path)
-        elif source.format == "jsonl":
-            _check_jsonl(path)
-        elif source.format == "csv":
-            multiline |= _check_csv(path)
-    return InputCheck(csv_multiline_values=multiline)
-
-
-@dataclass(frozen=True)
-class InputCheck:
-    """What `check_input` learnt that the read needs."""
-
-    csv_multiline_values: bool = False  # a quoted CSV value holds a newline
+    """Read every input file once, strictly (`input_check.check_files`: each file's problems
+    named with the file, and the line for text formats); a saved Hugging Face dataset is
+    checked by `datasets` when loaded."""
+    if source.format == "hf":
+        return InputCheck()
+    return check_files(source.format, source.paths)
 
 
 def read_dataset(
@@ -192,65 +230,6 @@ def read_dataset(
     return ds.repartition(target_num_rows_per_block=rows_per_block)
 
 
-def _check_parquet(path: str) -> None:
-    import pyarrow.parquet as pq
-
-    try:
-        fs, inner = storage.resolve(path)
-        pq.read_metadata(inner, filesystem=fs)
-    except Exception as exc:  # ArrowInvalid / OSError, by pyarrow version
-        raise ValueError(f"input {path}: not a readable Parquet file ({exc})") from None
-
-
-def _check_jsonl(path: str) -> None:
-    with _open_text(path) as fh:
-        try:
-            for line_no, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"input {path}: line {line_no} is not JSON: {exc}") from None
-                if not isinstance(row, dict):
-                    raise ValueError(
-                        f"input {path}: line {line_no} is not a JSON object "
-                        f"(got {type(row).__name__})"
-                    )
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"input {path}: not UTF-8 text ({exc})") from None
-
-
-def _check_csv(path: str) -> bool:
-    """Strictly parse one CSV file; whether some quoted value spans lines."""
-    multiline = False
-    with _open_text(path) as fh:
-        reader = csv.reader(fh, strict=True)
-        start = 1  # the line the next record starts on
-        width = None
-        try:
-            for record in reader:
-                if width is None:
-                    width = len(record)
-                elif record and len(record) != width:
-                    raise ValueError(
-                        f"input {path}: line {start} has {len(record)} values, "
-                        f"the header has {width}"
-                    )
-                multiline |= reader.line_num > start
-                start = reader.line_num + 1
-        except csv.Error as exc:
-            if reader.line_num > start:  # the record ran on to the end: a quote never closed
-                raise ValueError(
-                    f"input {path}: line {start}: a quoted value opened there is never closed "
-                    f"(the CSV parser read to line {reader.line_num}: {exc})"
-                ) from None
-            raise ValueError(f"input {path}: line {start} is not valid CSV: {exc}") from None
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"input {path}: not UTF-8 text ({exc})") from None
-    return multiline
-
-
 def _format_of(name: str) -> InputFormat | None:
     lowered = name.lower()
     if lowered.endswith(".gz"):
@@ -260,17 +239,6 @@ def _format_of(name: str) -> InputFormat | None:
 
 def _is_hf_folder(folder: Path) -> bool:
     return any((folder / marker).exists() for marker in _HF_MARKERS)
-
-
-def _open_text(path: str) -> io.TextIOBase:
-    if storage.is_remote(path):
-        raw = storage.open_input(path)
-        if path.endswith(".gz"):
-            return io.TextIOWrapper(gzip.GzipFile(fileobj=raw), encoding="utf-8")
-        return io.TextIOWrapper(raw, encoding="utf-8", newline="")
-    if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path), encoding="utf-8")
-    return open(path, encoding="utf-8", newline="")  # noqa: SIM115 (returned to a with block)
 
 
 def _load_hf(path: str, split: str | None):  # noqa: ANN202 (datasets.Dataset)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+from pipeline import columns
 from pipeline.cli import HelpFormatter, add_engine_args, add_io_args, job_config, run
 from pipeline.config import JobConfig, PromptConfig
 from pipeline.console import ConsoleOptions, add_console_flags
@@ -68,6 +69,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def build_config(args: argparse.Namespace) -> JobConfig:
     """The JobConfig of the parsed flags (ValueError on a bad combination)."""
+    # Named by this command's own flags before JobConfig names them by generate's.
+    columns.check_written("--output-column", [args.output_column])
+    columns.check_read("--document-column", [args.document_column], args.id_column)
+    columns.check_read("--query-column", [args.query_column], args.id_column)
+    if not args.keep_columns:  # the query column is kept unless --keep-columns says otherwise
+        columns.check_written("--query-column (kept)", [args.query_column], args.output_column)
     keep = args.keep_columns or (args.query_column,)
     args = argparse.Namespace(**{**vars(args), "keep_columns": keep})
     prompt = snippet_prompt(args.document_column, args.query_column)

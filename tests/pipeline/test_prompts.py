@@ -38,9 +38,9 @@ def test_prompt_config_needs_exactly_one_source():
 def test_other_configs_validate():
     with pytest.raises(ValueError, match="max_rows_per_shard"):
         PlanConfig(max_rows_per_shard=0)
-    with pytest.raises(ValueError, match="keep_columns"):
+    with pytest.raises(ValueError, match="--keep-columns .id."):
         InputConfig("x.parquet", keep_columns=("id",))
-    with pytest.raises(ValueError, match="text column"):
+    with pytest.raises(ValueError, match="--keep-columns .snippet.*generated text"):
         JobConfig(
             InputConfig("x", keep_columns=("snippet",)),
             PromptConfig(prompt_column="p"),
