@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from actors.guided import GuidedDecodingParams
 from packing.step_budget import StepBudgetConfig
 
 # How attention runs (`actors.attention`); "auto" picks from the device and dtype.
@@ -136,7 +137,9 @@ class SamplingParams:
     `min_p` drops tokens less likely than min_p times the best token's probability (after
     temperature). `logit_bias` adds a bias in [-100, 100] to chosen token ids' logits (a
     mapping token id -> bias, stored as sorted (id, bias) pairs; the engine checks the ids
-    against its vocabulary).
+    against its vocabulary). `guided_decoding` (`actors.guided.GuidedDecodingParams`, or a
+    mapping of its fields; vLLM's `structured_outputs` is the same) holds the output to a JSON
+    Schema, any JSON object, a regex, a choice or an EBNF grammar.
     """
 
     max_tokens: int = 16
@@ -154,6 +157,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    guided_decoding: GuidedDecodingParams | None = None
+    # vLLM >= 0.10's name for guided_decoding: moved there when given, then None.
+    structured_outputs: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         # The one place where sampling values are bounded (the job's error rows and Serve's
@@ -193,6 +199,15 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
         _float_in("min_p", self.min_p, 0.0, 1.0)
         object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
+        self._set_guided_decoding()
+
+    def _set_guided_decoding(self) -> None:
+        guided = GuidedDecodingParams.coerce(self.guided_decoding)
+        structured = GuidedDecodingParams.coerce(self.structured_outputs)
+        if guided is not None and structured is not None and guided != structured:
+            raise ValueError("give guided_decoding or structured_outputs, not both")
+        object.__setattr__(self, "guided_decoding", guided or structured)
+        object.__setattr__(self, "structured_outputs", None)
 
     @property
     def penalised(self) -> bool:

@@ -18,6 +18,7 @@ import torch
 from actors import limits, loader
 from actors.config import EngineConfig, SamplingParams
 from actors.detokenizer import Detokenizer
+from actors.guided import GuidedDecoder
 from actors.model_runner import ModelRunner, StepRunner
 from actors.outputs import FinishReason, RequestOutput, TokenLogprob
 from actors.prefix_sharing import plan_groups, planned_order
@@ -109,6 +110,7 @@ class LLMEngine:
         self._last_step_end = 0.0
         self.sampler = Sampler(limits.eos_token_ids(model, tokenizer), seed=config.seed)
         self.detokenizer = Detokenizer(tokenizer)
+        self.guided = GuidedDecoder(tokenizer, self.vocab_size, self.sampler.eos_token_ids)
         self._requests: dict[str, Request] = {}  # unfinished user requests
         self._pending: list[RequestOutput] = []  # finished outside a step (errors, aborts)
         self._next_id = 0
@@ -145,6 +147,7 @@ class LLMEngine:
         if req is None:
             return
         self.scheduler.finish([req], "abort")  # a step in flight skips it when it returns
+        self.guided.finish(request_id)
         self._finish_time(req)
         self._pending.append(self._output(req))
 
@@ -229,6 +232,7 @@ class LLMEngine:
         """Sample one token per request, append it, and retire the requests that stop
         (freed in their request set); an output per request that got a token.
         A request whose sampling or postprocessing raises ends alone with an error."""
+        self.guided.apply(logits, sampling)  # grammars' masks first, for greedy and random
         sampled = self.sampler.sample_each(logits, sampling)
         finished: dict[FinishReason, list[Request]] = {}
         for row, (req, token_id, logprob) in enumerate(
@@ -359,6 +363,11 @@ class LLMEngine:
                 req,
                 f"logit_bias token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}",
             )
+        if req.params.guided_decoding is not None:
+            try:  # compiled here, outside the step (once per distinct grammar)
+                self.guided.start(req)
+            except Exception as exc:  # noqa: BLE001 (this request's grammar; the engine goes on)
+                return self._reject(req, f"guided decoding: {_describe(exc)}")
         self._requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -405,6 +414,8 @@ class LLMEngine:
             req.logprobs.append(logprob)
         params = req.params
         num_chars = len(self.detokenizer.update(req))
+        if self.guided.accept(req, token_id):
+            return "stop"  # the grammar is complete (its stop token accepted)
         if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in self.sampler.eos_token_ids:
                 return "stop"
@@ -430,6 +441,7 @@ class LLMEngine:
 
     def _retire(self, req: Request) -> RequestOutput:
         self._requests.pop(req.request_id, None)
+        self.guided.finish(req.request_id)
         self._finish_time(req)
         return self._output(req)
 
