@@ -49,7 +49,7 @@ _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?
 @dataclass(frozen=True)
 class GuidedDecodingParams:
     """What a request's output must match: exactly one of `json` (a JSON Schema, as a dict
-    or its JSON text; stored as canonical JSON text), `regex`, `choice` (one of these
+    or its JSON text; stored as compact JSON text), `regex`, `choice` (one of these
     strings), `grammar` (EBNF, xgrammar's GBNF dialect with a `root` rule) or `json_object`
     (any JSON object). vLLM's `GuidedDecodingParams` / `StructuredOutputsParams` fields."""
 
@@ -100,7 +100,7 @@ class GuidedDecodingParams:
 
     @property
     def source(self) -> str:
-        """The grammar's text (the schema's canonical JSON, the regex, the EBNF, the choices
+        """The grammar's text (the schema's compact JSON, the regex, the EBNF, the choices
         as a JSON list, "" for json_object): with `kind`, the compile cache's key."""
         if self.choice is not None:
             return json.dumps(list(self.choice))
@@ -139,7 +139,8 @@ StructuredOutputsParams = GuidedDecodingParams  # vLLM >= 0.10's name for the sa
 
 
 def _canonical(schema: Mapping[str, Any]) -> str:
-    return json.dumps(schema, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    # Keys keep the user's order: the grammar writes properties in the schema's order.
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
 
 
 def _choice_ebnf(choices: Sequence[str]) -> str:

@@ -25,6 +25,7 @@ from pipeline.config import (
     PromptConfig,
 )
 from pipeline.engine_flags import add_engine_flags, engine_config_from_args
+from pipeline.guided_flags import add_guided_args, guided_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, help="sampling seed (default: none, not reproducible)")
     s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    add_guided_args(s)
 
     plan, compute = PlanConfig(), ComputeConfig()
     p = parser.add_argument_group("plan")
@@ -248,6 +250,7 @@ def job_config(
             seed=args.seed,
             stop=tuple(args.stop),
             ignore_eos=args.ignore_eos,
+            guided_decoding=guided_from_args(args),
         ),
         plan=PlanConfig(
             prefix_grouping=not args.no_prefix_grouping,

@@ -35,6 +35,7 @@ from pipeline import group_columns, stage
 from pipeline.feed import EngineFeed
 from pipeline.group_columns import ShardGroups
 from pipeline.logs import setup_worker_logging
+from pipeline.parsed import PARSED, parsed_column
 from pipeline.prompts import merge_sampling
 from pipeline.stage import Stage
 
@@ -64,6 +65,7 @@ class InferStage(Stage):
         torch_threads: int | None = None,
         engine_retries: int = 1,
         with_logprobs: bool = False,
+        parsed_type: pa.DataType | None = None,
         engine=None,  # noqa: ANN001 (actors.LLMEngine or a stand-in)
     ):
         setup_worker_logging()
@@ -76,6 +78,7 @@ class InferStage(Stage):
         self.text_column = text_column
         self.keep_columns = tuple(keep_columns)
         self.with_logprobs = with_logprobs
+        self.parsed_type = parsed_type  # the `parsed` column's (pipeline/parsed.py), or none
         self.feed = EngineFeed(
             engine if engine is not None else self._new_engine(),
             self._new_engine,
@@ -211,6 +214,8 @@ class InferStage(Stage):
         )
         if self.with_logprobs:
             columns[stage.LOGPROBS] = pa.array([_logprobs(out) for out in outputs], LOGPROBS_TYPE)
+        if self.parsed_type is not None:
+            columns[PARSED] = parsed_column(text, self.parsed_type)
         return pa.table(columns)
 
     @staticmethod

@@ -163,6 +163,7 @@ class Processor:
                     torch_threads=compute.torch_threads or threads,
                     engine_retries=compute.engine_retries,
                     with_logprobs=config.with_logprobs,
+                    parsed_type=config.parsed_type,
                 ),
                 batch_format="pyarrow",
                 batch_size=1,
