@@ -161,3 +161,24 @@ def test_vllm_shapes_are_accepted() -> None:
         SamplingParams(guided_decoding={"json_schema": SCHEMA})
     with pytest.raises(ValueError, match="not both"):
         SamplingParams(guided_decoding={"regex": "a"}, structured_outputs={"regex": "b"})
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 2], [0, 2, 3]])
+def test_apply_bitmask_equals_xgrammars_kernel(rows) -> None:
+    """The numpy path (contiguous rows in place, others gathered) against xgrammar's own."""
+    import xgrammar as xgr
+
+    from actors.guided import apply_bitmask
+
+    vocab = 1000
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (len(rows), -(-vocab // 32)), dtype=torch.int32, generator=generator
+    )
+    logits = torch.randn(4, vocab, generator=generator)
+    expected = logits.clone()
+    full = torch.full((4, bitmask.shape[1]), -1, dtype=torch.int32)
+    full[rows] = bitmask
+    xgr.apply_token_bitmask_inplace(expected, full, vocab_size=vocab, indices=rows)
+    apply_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, expected)
