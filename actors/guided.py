@@ -176,9 +176,11 @@ def check_grammar(kind: str, source: str) -> None:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set `logits[rows[k], t]` to -inf where bit t of `bitmask[k]` is 0 (in place).
 
-    On CPU by numpy's `unpackbits` and one `masked_fill_`: 76 us per 49,152-token row against
-    144-170 us for xgrammar's own CPU kernel (measured on this machine, one thread), whose
-    per-element loop is the step's whole guided cost. On other devices xgrammar's kernel."""
+    On CPU by numpy's `unpackbits` and one `torch.where`: at 256 rows of 49,152 tokens,
+    9-10 ms with few tokens allowed (JSON structure) where xgrammar's own CPU kernel took
+    59 ms and `masked_fill_` 20 ms (measured on this machine, one thread; xgrammar's kernel
+    is faster only on rows with every token allowed, which it skips). On other devices
+    xgrammar's kernel."""
     import numpy as np
     import torch
 
@@ -189,15 +191,16 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
         return
     vocab = logits.shape[-1]
     packed = bitmask.numpy().view(np.uint8)  # [len(rows), 4 * words], little-endian bits
-    allowed = np.unpackbits(packed, axis=-1, count=vocab, bitorder="little")
-    banned = torch.from_numpy(allowed.view(np.bool_)).logical_not()  # [len(rows), vocab]
+    bits = np.unpackbits(packed, axis=-1, count=vocab, bitorder="little")
+    allowed = torch.from_numpy(bits.view(np.bool_))  # [len(rows), vocab]
     with torch.inference_mode():  # the step's logits are inference tensors
+        banned = logits.new_tensor(float("-inf"))
         if rows == list(range(rows[0], rows[0] + len(rows))):  # contiguous: in place
-            logits[rows[0] : rows[0] + len(rows)].masked_fill_(banned, float("-inf"))
+            block = logits[rows[0] : rows[0] + len(rows)]
+            torch.where(allowed, block, banned, out=block)
             return
         index = torch.tensor(rows)
-        masked = logits.index_select(0, index).masked_fill_(banned, float("-inf"))
-        logits.index_copy_(0, index, masked)
+        logits.index_copy_(0, index, torch.where(allowed, logits.index_select(0, index), banned))
 
 
 class GuidedDecoder:
