@@ -4,7 +4,8 @@ step, on a full batch of the embedded SmolLM2-135M (issue 29's bar: <= 10%).
 Real chat prompts (Alpaca through the chat template), `--num-prompts` (256) at once with
 `max_num_seqs` as large, so every decode step samples 256 rows. Two runs per repetition,
 interleaved: unconstrained (`ignore_eos`, so all rows run `--max-tokens` steps) and held to a
-JSON Schema whose free-text field keeps every row inside the grammar for the whole run. Per
+JSON Schema whose free-text field keeps every row inside the grammar for the whole run
+(the order of the two alternates between repetitions). Per
 decode step (a step where every row got a token) it times the step, and in the guided run
 the grammar's share of it: filling the bitmask and applying it to the logits
 (`GuidedDecoder.apply`) plus advancing the matchers (`GuidedDecoder.accept`). Reported: the
@@ -18,6 +19,7 @@ and its ratio to the unconstrained step (the bar), and the guided/unconstrained 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -118,11 +120,16 @@ def main(argv: list[str] | None = None) -> None:
     found: dict[str, dict[str, list[float]]] = {
         name: {"steps": [], "grammar": []} for name in cases
     }
+    per_run: list[dict[str, Any]] = []  # each run's median step: the machine is shared
     for repeat in range(args.repeats):
-        for name, params in cases.items():
+        order = list(cases) if repeat % 2 == 0 else list(reversed(cases))
+        for name in order:
             common.log(f"repeat {repeat}: {name}")
-            for key, values in run(engine, prompts, params, clock).items():
+            timed = run(engine, prompts, cases[name], clock)
+            for key, values in timed.items():
                 found[name][key].extend(values)
+            median = common.median(timed["steps"])
+            per_run.append({"case": name, "median_step_s": median, "load": os.getloadavg()[0]})
     base = common.median(found["unconstrained"]["steps"])
     guided = common.median(found["json_schema"]["steps"])
     grammar = common.median(found["json_schema"]["grammar"])
@@ -131,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": common.machine(),
         "args": vars(args),
         "decode_steps": {name: len(v["steps"]) for name, v in found.items()},
+        "runs": per_run,
         "unconstrained_step_s": base,
         "guided_step_s": guided,
         "grammar_per_step_s": grammar,
