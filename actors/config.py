@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from actors.guided import GuidedDecodingParams
 from packing.step_budget import StepBudgetConfig
 
 # The names `EngineConfig.dtype` takes (actors/dtypes.py resolves "auto"; kept here so the
@@ -148,7 +149,9 @@ class SamplingParams:
     `min_p` drops tokens less likely than min_p times the best token's probability (after
     temperature). `logit_bias` adds a bias in [-100, 100] to chosen token ids' logits (a
     mapping token id -> bias, stored as sorted (id, bias) pairs; the engine checks the ids
-    against its vocabulary).
+    against its vocabulary). `guided_decoding` (`actors.guided.GuidedDecodingParams`, or a
+    mapping of its fields; vLLM's `structured_outputs` is the same) holds the output to a JSON
+    Schema, any JSON object, a regex, a choice or an EBNF grammar.
 
     Several samples per prompt, as vLLM: `n` completions are returned; with `best_of` (>= n),
     best_of are generated and the n with the highest cumulative logprob returned. The samples
@@ -174,6 +177,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     n: int = 1
     best_of: int | None = None
+    guided_decoding: GuidedDecodingParams | None = None
+    # vLLM >= 0.10's name for guided_decoding: moved there when given, then None.
+    structured_outputs: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         # The one place where sampling values are bounded (the job's error rows and Serve's
@@ -223,11 +229,20 @@ class SamplingParams:
         _int_in("n", self.n, 1, MAX_SAMPLES)
         if self.best_of is not None:
             _int_in("best_of", self.best_of, self.n, MAX_SAMPLES, "(at least n)")
+        self._set_guided_decoding()
 
     @property
     def num_samples(self) -> int:
         """Sequences generated for the prompt: best_of when set, else n."""
         return self.best_of or self.n
+
+    def _set_guided_decoding(self) -> None:
+        guided = GuidedDecodingParams.coerce(self.guided_decoding)
+        structured = GuidedDecodingParams.coerce(self.structured_outputs)
+        if guided is not None and structured is not None and guided != structured:
+            raise ValueError("give guided_decoding or structured_outputs, not both")
+        object.__setattr__(self, "guided_decoding", guided or structured)
+        object.__setattr__(self, "structured_outputs", None)
 
     @property
     def penalised(self) -> bool:

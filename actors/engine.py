@@ -19,6 +19,7 @@ from actors import generation_defaults, limits
 from actors.config import EngineConfig, SamplingParams
 from actors.detokenizer import Detokenizer
 from actors.engine_setup import load_for_engine
+from actors.guided import GuidedDecoder
 from actors.model_runner import ModelRunner, StepRunner
 from actors.outputs import FinishReason, RequestOutput, TokenLogprob
 from actors.prefix_sharing import plan_groups, planned_order
@@ -100,6 +101,7 @@ class LLMEngine:
             model, config
         )
         self.detokenizer = Detokenizer(tokenizer)
+        self.guided = GuidedDecoder(tokenizer, self.vocab_size, self.sampler.eos_token_ids)
         self._requests: dict[str, Request] = {}  # unfinished user requests
         self._samples = SampleBook()  # prompts with several samples (SamplingParams.n)
         self._pending: list[RequestOutput] = []  # finished outside a step (errors, aborts)
@@ -142,8 +144,9 @@ class LLMEngine:
             if req is None:
                 continue
             self.scheduler.finish([req], "abort")  # a step in flight skips it when it returns
+            self.guided.finish(rid)
             self._finish_time(req)
-            self._pending.append(self._output(req))
+            self._pending.append(req.to_output())
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running (or has an output not yet returned,
@@ -226,6 +229,7 @@ class LLMEngine:
         """Sample one token per request, append it, and retire the requests that stop
         (freed in their request set); an output per request that got a token.
         A request whose sampling or postprocessing raises ends alone with an error."""
+        self.guided.apply(logits, sampling)  # grammars' masks first, for greedy and random
         sampled = self.sampler.sample_each(logits, sampling)
         finished: dict[FinishReason, list[Request]] = {}
         for row, (req, token_id, logprob) in enumerate(
@@ -241,7 +245,7 @@ class LLMEngine:
             if reason is not None:
                 finished.setdefault(reason, []).append(req)
             else:
-                outputs.append(self._output(req))
+                outputs.append(req.to_output())
                 self._restart_if_rope_changes(req)
         for reason, reqs in finished.items():
             self.scheduler.finish(reqs, reason)
@@ -379,6 +383,11 @@ class LLMEngine:
                 req,
                 f"logit_bias token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}",
             )
+        if req.params.guided_decoding is not None:
+            try:  # compiled here, outside the step (once per distinct grammar)
+                self.guided.start(req)
+            except Exception as exc:  # noqa: BLE001 (this request's grammar; the engine goes on)
+                return self._reject(req, f"guided decoding: {_describe(exc)}")
         self._requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -394,7 +403,7 @@ class LLMEngine:
         req.status = RequestStatus.FINISHED
         req.finish_reason = "error"
         self._finish_time(req)
-        self._pending.append(self._output(req))
+        self._pending.append(req.to_output())
         return req
 
     def _new_id(self, kind: str) -> str:
@@ -425,6 +434,8 @@ class LLMEngine:
             req.logprobs.append(logprob)
         params = req.params
         num_chars = len(self.detokenizer.update(req))
+        if self.guided.accept(req, token_id):
+            return "stop"  # the grammar is complete (its stop token accepted)
         if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in self.sampler.eos_token_ids:
                 return "stop"
@@ -461,34 +472,14 @@ class LLMEngine:
 
     def _retire(self, req: Request) -> RequestOutput:
         self._requests.pop(req.request_id, None)
+        self.guided.finish(req.request_id)
         self._finish_time(req)
-        return self._output(req)
+        return req.to_output()
 
     @staticmethod
     def _finish_time(req: Request) -> None:
         if req.finished_time is None:
             req.finished_time = time.monotonic()
-
-    def _output(self, req: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.parent_id or req.request_id,
-            num_prompt_tokens=req.num_prompt_tokens,
-            token_ids=tuple(req.token_ids[req.num_prompt_tokens :]),
-            text=req.text,
-            finished=req.finished,
-            finish_reason=req.finish_reason,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            arrival_time=req.arrival_time,
-            first_token_time=req.first_token_time,
-            finished_time=req.finished_time,
-            error=req.error,
-            logprobs=tuple(req.logprobs) if req.logprobs is not None else None,
-            prompt_token_ids=tuple(req.prompt_token_ids),
-            sample_index=req.sample_index,
-            cumulative_logprob=(
-                None if req.logprobs is None else sum(lp.logprob for lp in req.logprobs)
-            ),
-        )
 
 
 def _describe(exc: BaseException) -> str:

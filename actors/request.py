@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.config import SamplingParams
-from actors.outputs import FinishReason, TokenLogprob
+from actors.outputs import FinishReason, RequestOutput, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -139,3 +139,25 @@ class Request:
     def append_token(self, token_id: int) -> None:
         """Add a sampled token; its K/V is computed in the next step that schedules it."""
         self.token_ids.append(token_id)
+
+    def to_output(self) -> RequestOutput:
+        """What the caller sees of the request now (under its caller's id: a sample's parent)."""
+        return RequestOutput(
+            request_id=self.parent_id or self.request_id,
+            num_prompt_tokens=self.num_prompt_tokens,
+            token_ids=tuple(self.token_ids[self.num_prompt_tokens :]),
+            text=self.text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
+            arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time,
+            finished_time=self.finished_time,
+            error=self.error,
+            logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
+            prompt_token_ids=tuple(self.prompt_token_ids),
+            sample_index=self.sample_index,
+            cumulative_logprob=(
+                None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+            ),
+        )

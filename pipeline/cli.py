@@ -26,6 +26,7 @@ from pipeline.config import (
 from pipeline.console import ConsoleOptions
 from pipeline.engine_flags import add_engine_flags, engine_config_from_args
 from pipeline.engine_placement import NoRoomError
+from pipeline.guided_flags import add_guided_args, guided_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="generate this many samples per row and keep the --n with the highest "
         "cumulative logprob (default: --n)",
     )
+    add_guided_args(s)
 
     plan, compute = PlanConfig(), ComputeConfig()
     p = parser.add_argument_group("plan")
@@ -320,6 +322,7 @@ def job_sampling(args: argparse.Namespace) -> SamplingParams:
             ignore_eos=args.ignore_eos,
             n=args.n,
             best_of=args.best_of,
+            guided_decoding=guided_from_args(args),
             **{**model, **given},
         )
     except ValueError as exc:

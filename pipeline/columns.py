@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pipeline import dedupe, group_columns, stage
+from pipeline import dedupe, group_columns, parsed, stage
 
 # What the job writes for every row (plus the text column and the kept input columns).
 OUTPUT_COLUMNS = (
@@ -36,6 +36,7 @@ OUTPUT_COLUMNS = (
     stage.SHARED_PREFIX_LEN,
     stage.LOGPROBS,
     stage.SAMPLE_INDEX,
+    parsed.PARSED,
 )
 # What travels between the stages beside the kept columns and is not written.
 WORKING_COLUMNS = (

@@ -40,6 +40,7 @@ from pipeline import group_columns, stage
 from pipeline.feed import EngineFeed
 from pipeline.group_columns import ShardGroups
 from pipeline.logs import setup_worker_logging
+from pipeline.parsed import PARSED, parsed_column
 from pipeline.progress import ProgressReporter
 from pipeline.prompts import merge_sampling
 from pipeline.stage import Stage
@@ -73,6 +74,7 @@ class InferStage(Stage):
         with_logprobs: bool = False,
         with_samples: bool = False,
         progress=None,  # noqa: ANN001 (actor handle of pipeline.progress.ProgressBoard)
+        parsed_type: pa.DataType | None = None,
         engine=None,  # noqa: ANN001 (actors.LLMEngine or a stand-in)
     ):
         setup_worker_logging()
@@ -89,6 +91,7 @@ class InferStage(Stage):
         engine = engine if engine is not None else self._new_engine()
         # The job's live progress: each row counted as its request ends (pipeline/progress.py).
         self.progress = ProgressReporter(progress) if progress is not None else None
+        self.parsed_type = parsed_type  # the `parsed` column's (pipeline/parsed.py), or none
         self.feed = EngineFeed(
             engine,
             self._new_engine,
@@ -247,6 +250,8 @@ class InferStage(Stage):
         )
         if self.with_logprobs:
             columns[stage.LOGPROBS] = pa.array([_logprobs(out) for out in outputs], LOGPROBS_TYPE)
+        if self.parsed_type is not None:
+            columns[PARSED] = parsed_column(text, self.parsed_type)
         return pa.table(columns)
 
     @staticmethod

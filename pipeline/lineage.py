@@ -68,7 +68,7 @@ def job_lineage(
         "model": model_identity(config.engine.model),
         "tokenizer": tokenizer_identity(config.engine.model),
         "prompt": {**prompt, "id_column": id_column},
-        "sampling": asdict(config.sampling),
+        "sampling": _sampling(config),
         "engine": {"dtype": config.engine.dtype, "max_model_len": max_len},
         "output": {
             "text_column": config.text_column,
@@ -247,6 +247,16 @@ def _files(folder: Path) -> Iterator[Path]:
         hidden = any(part.startswith(".") for part in path.relative_to(folder).parts)
         if path.is_file() and not hidden:
             yield path
+
+
+def _sampling(config: JobConfig) -> dict[str, Any]:
+    """The sampling record; guided decoding only when set, so folders written before it
+    existed still resume."""
+    record = asdict(config.sampling)
+    for name in ("guided_decoding", "structured_outputs"):
+        if record.get(name) is None:
+            record.pop(name, None)
+    return record
 
 
 def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

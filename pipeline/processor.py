@@ -218,6 +218,7 @@ class Processor:
                     with_logprobs=config.with_logprobs,
                     with_samples=config.with_samples,
                     **({"progress": progress} if progress is not None else {}),
+                    parsed_type=config.parsed_type,
                 ),
                 batch_format="pyarrow",
                 batch_size=1,

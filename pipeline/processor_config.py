@@ -7,9 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import pyarrow as pa
+
 from actors.config import EngineConfig, SamplingParams
 from pipeline import stage
 from pipeline.config import ComputeConfig, PlanConfig, PromptConfig
+from pipeline.parsed import PARSED, parsed_type
 from pipeline.prompts import SAMPLING_FIELDS
 
 
@@ -166,8 +169,8 @@ class ProcessorConfig:
     def output_columns(self) -> tuple[str, ...]:
         """What the processor adds to every row, in this order: the text column,
         `generated_token_ids`, `num_prompt_tokens`, `num_generated_tokens`, `finish_reason`,
-        `error`, `logprobs` when asked, and `sample_index` when a row can have several
-        samples."""
+        `error`, `logprobs` when asked, `sample_index` when a row can have several
+        samples, and `parsed` when guided by JSON."""
         return (
             self.text_column,
             stage.GENERATED_TOKEN_IDS,
@@ -177,7 +180,13 @@ class ProcessorConfig:
             stage.ERROR,
             *((stage.LOGPROBS,) if self.with_logprobs else ()),
             *((stage.SAMPLE_INDEX,) if self.with_samples else ()),
+            *((PARSED,) if self.parsed_type is not None else ()),
         )
+
+    @property
+    def parsed_type(self) -> pa.DataType | None:
+        """The `parsed` column's type when rows get one (JSON-guided: pipeline/parsed.py)."""
+        return parsed_type(self.sampling, self.override_columns)
 
     @property
     def actor_pool_size(self) -> tuple[int, int]:

@@ -2,7 +2,8 @@
 
 Requests reject unknown fields and wrong types (strict mode), so a typo is a 400 that names the
 field rather than a silently ignored option. vLLM extensions accepted: `top_k`, `ignore_eos`,
-`repetition_penalty` and `min_p`. Numbers are bounded here or in `actors.config.SamplingParams`
+`repetition_penalty` and `min_p`, and the structured-output fields (`guided_json`...).
+Numbers are bounded here or in `actors.config.SamplingParams`
 (the one place that decides what the engine can hold; its ValueError is a 400 too): NaN and
 infinities are refused, seeds fit 64 bits and top_k 32 bits.
 """
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from actors.config import MAX_INT32, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED, MIN_SEED
+from pipeline.serve.guided import GuidedFields
 
 FinishReason = Literal["stop", "length"]
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -55,8 +57,9 @@ class StreamOptions(_Request):
     )
 
 
-class _SamplingFields(_Request):
-    """Sampling fields shared by completions and chat completions."""
+class _SamplingFields(_Request, GuidedFields):
+    """Sampling fields shared by completions and chat completions (structured output:
+    pipeline/serve/guided.py)."""
 
     model: str = Field(description="The served model's name (see GET /v1/models).")
     temperature: float | None = Field(

@@ -26,6 +26,7 @@ from pipeline.serve.errors import (
     from_validation_error,
     internal_error,
 )
+from pipeline.serve.guided import GuidedFieldError
 from pipeline.serve.logprobs import LogprobShaper
 from pipeline.serve.protocol import (
     ChatCompletionRequest,
@@ -256,6 +257,10 @@ class OpenAIService:
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         try:
+            guided, _ = request.guided_decoding()
+        except GuidedFieldError as exc:
+            raise bad_request(str(exc), exc.param) from exc
+        try:
             params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=self._or_default(request.temperature, "temperature", 1.0),
@@ -274,6 +279,7 @@ class OpenAIService:
                 logit_bias=logit_bias_pairs(request.logit_bias or {}),
                 n=request.n,
                 best_of=getattr(request, "best_of", None),
+                guided_decoding=guided,
             )
         except ValueError as exc:  # SamplingParams bounds every value; its message names it
             raise bad_request(str(exc), _sampling_param(str(exc), request)) from exc

@@ -1,0 +1,136 @@
+"""Guided decoding through the offline job's command line: `--json-schema FILE` for every
+row, a per-row `guided_decoding` column (`--sampling-columns`) for some, every schema row's
+output parsing and validating, an invalid per-row schema an error row, the schema part of the
+lineage, bad flags exit 2 naming the flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.actors.test_guided import SCHEMA
+from tests.pipeline.test_job import read_output
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).parents[2]
+PROMPTS = [
+    "Which animal barked?",
+    "Tell me about birds.",
+    "The cat sat on the mat.",
+    "Score this review: fine.",
+    "A dog and a cat met in the park.",
+    "Return a label.",
+]
+CHOICES = ["yes", "no"]
+PER_ROW = {
+    "choice": {"choice": CHOICES},
+    "regex": {"regex": "[0-9]{3}-[a-z]{2}"},
+    "bad": {"json": {"type": "nonsense"}},
+}
+
+
+def _generate(args: list[str], address: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if address:
+        env["RAY_ADDRESS"] = address
+    return subprocess.run(
+        [sys.executable, "jobs/generate.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def _args(folder: Path, model: Path, schema: Path) -> list[str]:
+    return [
+        "--input", str(folder / "in.parquet"),
+        "--output", str(folder / "out"),
+        "--model", str(model),
+        "--prompt-column", "prompt",
+        "--sampling-columns", "guided_decoding",
+        "--json-schema", str(schema),
+        "--max-tokens", "48",
+        "--num-partitions", "1",
+        "--num-cpus-per-actor", "0.25",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def job(ray_cluster, tiny_model_dir, tmp_path_factory) -> tuple[Path, list[str]]:  # noqa: ANN001
+    """One job run: the schema rows and the per-row rows; its folder and arguments."""
+    folder = tmp_path_factory.mktemp("guided-job")
+    schema = folder / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    rows = [{"id": f"row{i}", "prompt": p, "guided_decoding": None} for i, p in enumerate(PROMPTS)]
+    rows += [
+        {"id": key, "prompt": PROMPTS[0], "guided_decoding": json.dumps(value)}
+        for key, value in PER_ROW.items()
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), folder / "in.parquet")
+    args = _args(folder, tiny_model_dir, schema)
+    done = _generate(args, ray_cluster)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder, args
+
+
+def test_every_schema_row_parses_and_validates(job) -> None:  # noqa: ANN001
+    folder, _ = job
+    out = read_output(folder / "out")
+    assert set(out) == {f"row{i}" for i in range(len(PROMPTS))} | set(PER_ROW)
+    for i in range(len(PROMPTS)):
+        row = out[f"row{i}"]
+        assert row["error"] is None and row["finish_reason"] == "stop", row
+        jsonschema.validate(json.loads(row["generated_text"]), SCHEMA)
+        # Per-row guidance is on, so `parsed` is the object as JSON text.
+        assert json.loads(row["parsed"]) == json.loads(row["generated_text"])
+    assert out["choice"]["generated_text"] in CHOICES and out["choice"]["parsed"] is None
+    assert out["regex"]["error"] is None
+    assert len(out["regex"]["generated_text"]) == 6 and out["regex"]["generated_text"][3] == "-"
+    assert "invalid guided json" in out["bad"]["error"]
+    assert out["bad"]["generated_token_ids"] == []
+
+
+def test_another_schema_is_another_lineage(job, tmp_path) -> None:  # noqa: ANN001
+    folder, args = job
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**SCHEMA, "required": ["label"]}))
+    args = [*args[: args.index("--json-schema")], "--json-schema", str(other), *args[-6:]]
+    done = _generate(args)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "sampling.guided_decoding.json" in done.stderr
+    assert "Started a local Ray" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--json-schema", "{missing}"], "--json-schema: "),
+        (["--json-schema", "{bad}"], "--json-schema: invalid guided json"),
+        (["--regex", "[a-z"], "--regex: invalid guided regex"),
+        (["--choice", " , "], "--choice: guided choice must list at least one"),
+        (["--regex", "a", "--choice", "a,b"], "give one of --json-schema"),
+    ],
+)
+def test_bad_guided_flags_exit_2_naming_the_flag(tmp_path, flags, message) -> None:  # noqa: ANN001
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "nonsense"}')
+    flags = [
+        f.replace("{missing}", str(tmp_path / "nope.json")).replace("{bad}", str(bad))
+        for f in flags
+    ]
+    pq.write_table(pa.Table.from_pylist([{"prompt": "x"}]), tmp_path / "in.parquet")
+    args = ["--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out")]
+    done = _generate([*args, "--prompt-column", "prompt", *flags])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr
