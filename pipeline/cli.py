@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 from actors.config import SamplingParams
 from pipeline import console
@@ -252,8 +253,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def job_config(
     args: argparse.Namespace, prompt: PromptConfig, text_column: str = JobConfig.text_column
 ) -> JobConfig:
-    """The JobConfig the flags describe (ValueError on a bad combination)."""
-    return JobConfig(
+    """The JobConfig the flags describe (ValueError on a bad combination). The flags are
+    checked before the sampling is resolved, which reads the model's generation config: a
+    clash of column names is named even when the model is missing."""
+    config = JobConfig(
         input=InputConfig(
             path=args.input,
             format=args.input_format,
@@ -264,7 +267,6 @@ def job_config(
         prompt=prompt,
         output=args.output,
         engine=engine_config_from_args(args),
-        sampling=job_sampling(args),
         plan=PlanConfig(
             prefix_grouping=not args.no_prefix_grouping,
             max_rows_per_shard=args.max_rows_per_shard,
@@ -295,6 +297,7 @@ def job_config(
         overwrite=args.overwrite,
         retry_errors=args.retry_errors,
     )
+    return replace(config, sampling=job_sampling(args))
 
 
 def job_sampling(args: argparse.Namespace) -> SamplingParams:

@@ -15,12 +15,13 @@ from tests.pipeline.test_hostile_job import _generate
 TABLE = "id,prompt,key,n\nr1,hello,k1,3\nr2,world,k2,4\n"
 
 
-def _config(tmp_path, *flags: str):  # noqa: ANN202 (JobConfig)
+def _config(tmp_path, *flags: str, model: str = "unused"):  # noqa: ANN202 (JobConfig)
+    """The job's config from `flags`; the flags are checked before `model` is looked at."""
     from jobs.generate import build_config, build_parser
 
     table = tmp_path / "rows.csv"
     table.write_text(TABLE)
-    base = ["--input", str(table), "--output", str(tmp_path / "out"), "--model", "unused"]
+    base = ["--input", str(table), "--output", str(tmp_path / "out"), "--model", model]
     args = [*base, *flags]
     if not {"--template", "--messages-column", "--prompt-column"} & set(flags):
         args += ["--prompt-column", "prompt"]
@@ -58,13 +59,16 @@ def test_clashing_flags_name_the_flag_and_the_column(tmp_path, flags, message):
         _config(tmp_path, *flags)
 
 
-def test_reading_a_column_named_like_an_output_column_is_fine(tmp_path):
+def test_reading_a_column_named_like_an_output_column_is_fine(tmp_path, tiny_model_dir):
     """The input is read before the job's columns exist: a prompt in a column called `error`,
     ids from `shard`, the input's own `id` as the prompt when it is the id column."""
-    config = _config(tmp_path, "--id-column", "shard", "--template", "{error} {finish_reason}")
+    model = str(tiny_model_dir)
+    flags = ("--id-column", "shard", "--template", "{error} {finish_reason}")
+    config = _config(tmp_path, *flags, model=model)
     assert config.prompt.template_fields == ("error", "finish_reason")
-    assert _config(tmp_path, "--id-column", "id").input.id_column == "id"
-    assert _config(tmp_path, "--keep-columns", "n,n,key").input.keep_columns == ("n", "key")
+    assert _config(tmp_path, "--id-column", "id", model=model).input.id_column == "id"
+    kept = _config(tmp_path, "--keep-columns", "n,n,key", model=model).input.keep_columns
+    assert kept == ("n", "key")
 
 
 def test_the_id_stage_replaces_an_input_column_named_like_its_content_hash():
