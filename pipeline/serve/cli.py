@@ -150,7 +150,13 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--chat-template",
         help="a chat template (Jinja) file, or its text, used instead of the tokenizer's "
-        "(a request's chat_template field overrides it)",
+        "(a request's chat_template field overrides it, with --trust-request-chat-template)",
+    )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request's chat_template field replace the server's (a client's Jinja runs "
+        "in the replica); by default such a request is a 400, as in vLLM",
     )
 
 
@@ -227,6 +233,7 @@ def serve_config_from_args(
         max_queued_requests=args.max_queued_requests,
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
         chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
+        trust_request_chat_template=args.trust_request_chat_template,
         replicas=Replicas(
             num_replicas=args.num_replicas,
             min_replicas=args.min_replicas,

@@ -83,6 +83,10 @@ class ServeConfig:
     # A chat template's text used instead of the tokenizer's (vLLM's --chat-template); a
     # request's own `chat_template` field overrides it for that request.
     chat_template: str | None = None
+    # A request's own `chat_template` runs a client's Jinja in the replica (transformers renders
+    # it in a sandbox, which bounds what it reaches but not what it costs): refused unless the
+    # operator trusts the clients, as vLLM's --trust-request-chat-template.
+    trust_request_chat_template: bool = False
     # How many replicas serve (each with its own engine): fixed, or Serve's autoscaling.
     replicas: Replicas = field(default_factory=Replicas)
     # With more than one replica, a front reads each request and Serve's request router sends

@@ -244,7 +244,7 @@ class ChatCompletionRequest(_SamplingFields):
         default=None,
         min_length=1,
         description="vLLM extension: a chat template (Jinja text) used for this request "
-        "instead of the server's.",
+        "instead of the server's (only on a server started with --trust-request-chat-template).",
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None,

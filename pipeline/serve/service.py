@@ -120,6 +120,12 @@ class OpenAIService:
         request = _parse(ChatCompletionRequest, body)
         if request.top_logprobs is not None and not request.logprobs:  # as OpenAI and vLLM
             raise bad_request("top_logprobs is only allowed with logprobs: true", "top_logprobs")
+        if request.chat_template is not None and not self.config.trust_request_chat_template:
+            raise bad_request(
+                "chat_template in a request needs a server started with "
+                "--trust-request-chat-template (it runs the client's template in the server)",
+                "chat_template",
+            )
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:  # as apply_chat_template(..., tokenize=True): no BOS on top of the template's
             ids = encode_chat(

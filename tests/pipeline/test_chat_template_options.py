@@ -109,12 +109,19 @@ def test_serve_takes_the_server_flag_and_the_request_fields(tokenizer) -> None:
     assert server.chat_template == TEMPLATE
     assert prepare(plain) == hf(tokenizer)
     assert prepare(server) == hf(tokenizer, TEMPLATE)
-    assert prepare(plain, chat_template=TEMPLATE) == hf(tokenizer, TEMPLATE)
     kwargs = {"enable_thinking": True}
     assert prepare(server, chat_template_kwargs=kwargs) == hf(tokenizer, TEMPLATE, **kwargs)
+    # A request's own template runs only where the operator trusts the clients (as vLLM).
     with pytest.raises(APIError) as raised:
-        prepare(plain, chat_template="{% if %}")
+        prepare(plain, chat_template=TEMPLATE)
+    assert raised.value.status == 400 and "--trust-request-chat-template" in str(raised.value)
+    trusting = replace(plain, trust_request_chat_template=True)
+    assert prepare(trusting, chat_template=TEMPLATE) == hf(tokenizer, TEMPLATE)
+    with pytest.raises(APIError) as raised:
+        prepare(trusting, chat_template="{% if %}")
     assert raised.value.status == 400
+    flag = serve_config_from_app_args({"trust_request_chat_template": "true"})
+    assert flag.trust_request_chat_template
 
 
 def test_a_changed_template_or_kwarg_or_n_is_a_lineage_difference(tiny_model_dir, tmp_path):
