@@ -165,7 +165,7 @@ def test_checks_before_ray_accept_or_refuse_naming_a_flag_or_the_input(job, tiny
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @settings(
-    max_examples=3,
+    max_examples=2,  # plus the two explicit examples: four jobs, each run twice (~80 s)
     deadline=None,
     derandomize=True,  # the same few whole jobs each run; the tier above explores
     phases=[Phase.explicit, Phase.generate],  # no shrinking: each example is a Ray job
