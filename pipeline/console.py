@@ -38,6 +38,11 @@ HARMLESS_STDERR = (
     # the driver holds those refs until the operator ends, so a restart finds them
     # (ray-project/ray#53727 is about refs that go out of scope). Not ours to change.
     re.compile(r"core_worker\.cc:\d+: Actor with class name: .* has constructor arguments in "),
+    # The raylet (forwarded to the driver's stderr as "(raylet) WARNING") when more than 4 x
+    # num_cpus worker processes start at once: the job's tokenizer and engine actors and its
+    # write tasks take fractions of a CPU by design (pipeline/engine_actor.py, writer.py), so
+    # a busy node starts that many; nothing is wrong and nothing is the user's to change.
+    re.compile(r"PYTHON worker processes have been started on node: .*maximum expected startup"),
 )
 
 

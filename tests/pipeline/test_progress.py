@@ -125,6 +125,18 @@ def test_the_harmless_core_worker_line_is_the_one_dropped() -> None:
     assert not any(p.search(other) for p in HARMLESS_STDERR)
 
 
+def test_the_raylets_startup_concurrency_warning_is_dropped() -> None:
+    """As the suite's job printed it under load (fractional-CPU actors and tasks by design)."""
+    line = (
+        "\x1b[33m(raylet)\x1b[0m WARNING: 8 PYTHON worker processes have been started on node: "
+        "5b92909ac575 with address: 192.0.2.2, which is 4x the maximum expected startup "
+        "concurrency (2). This could be a result of using a large number of actors"
+    )
+    assert any(p.search(line) for p in HARMLESS_STDERR) and NOT_CLEAN.search(line)
+    other = "\x1b[33m(raylet)\x1b[0m WARNING: the node is out of memory"
+    assert not any(p.search(other) for p in HARMLESS_STDERR)
+
+
 def test_filter_stderr_drops_only_the_harmless_lines() -> None:
     """On a real fd 2 (a subprocess: pytest captures this one's): C-level writes and Python's
     pass through in order, a bar without newline at once, the core worker's line not at all."""
