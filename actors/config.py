@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from actors.guided import GuidedDecodingParams
+from actors.guided_params import GuidedDecodingParams
 from packing.step_budget import StepBudgetConfig
 
 # The names `EngineConfig.dtype` takes (actors/dtypes.py resolves "auto"; kept here so the
