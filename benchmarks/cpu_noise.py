@@ -80,7 +80,28 @@ def ray_node(waiting: bool) -> None:
         threading.Thread(target=pipeline.materialize, daemon=True).start()
         time.sleep(RAY_NODE_SETTLE_S)  # its actor up, its one task running
     print("ready", flush=True)
-    time.sleep(3600)
+    try:
+        time.sleep(3600)  # ray.init's SIGTERM handler raises SystemExit here
+    finally:
+        end_ray_node()
+
+
+def end_ray_node() -> None:
+    """`ray.shutdown()`, then end what it left. Its graceful stop gives the raylet 1 s before
+    SIGKILL; on a busy box that is too short, and the raylet's dashboard and runtime-env agents
+    then take a SIGKILLed raylet for a crash and try to report it to the GCS (already gone)
+    before they fate-share, which took more than 30 s in CI."""
+    import psutil
+    import ray
+
+    children = psutil.Process().children(recursive=True)
+    ray.shutdown()
+    alive = [p for p in children if p.is_running()]
+    for p in alive:
+        p.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=10)
+    for p in alive:
+        p.kill()
 
 
 def burn(period_s: float, burst_s: float, seconds: float) -> None:

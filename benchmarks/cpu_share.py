@@ -87,14 +87,18 @@ class CpuSampler:
     def cores_between(self, start: float, end: float) -> dict[str, float]:
         """Cores each process name held on average from the first sample at or after `start`
         to the last at or before `end` (largest first; {} when the window holds < 2 samples).
-        A process that started inside the window counts from zero; one that renamed itself
-        (a Ray worker taking an actor's title) counts under its last name."""
+        A process that started inside the window counts from zero, one that ended inside it up
+        to the last sample that saw it; one that renamed itself (a Ray worker taking an
+        actor's title) counts under its last name."""
         inside = [s for s in self.samples if start <= s[0] <= end]
         if len(inside) < 2:
             return {}
-        (t0, first), (t1, last) = inside[0], inside[-1]
+        (t0, first), t1 = inside[0], inside[-1][0]
+        last_seen: dict[int, tuple[str, int]] = {}
+        for _, snap in inside[1:]:
+            last_seen.update(snap)
         cores: dict[str, float] = defaultdict(float)
-        for pid, (name, ticks) in last.items():
+        for pid, (name, ticks) in last_seen.items():
             before = first.get(pid)
             used = ticks - (before[1] if before else 0)
             if used > 0:

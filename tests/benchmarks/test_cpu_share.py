@@ -28,19 +28,18 @@ def test_names_keep_rays_titles_and_name_scripts_by_file():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_busy_process_shows_up_with_its_cores_and_a_short_window_gives_nothing():
-    sampler = CpuSampler(interval=0.2).start()
-    burner = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass",
-        ]
+def test_a_busy_process_shows_up_with_its_cores_and_a_short_window_gives_nothing(tmp_path):
+    # a script of its own name: `python -c` would also match pytest-xdist's workers
+    burner_script = tmp_path / "burner.py"
+    burner_script.write_text(
+        "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass\n"
     )
-    burner.wait()
-    time.sleep(0.3)
+    sampler = CpuSampler(interval=0.2).start()
+    burner = subprocess.Popen([sys.executable, str(burner_script)])
+    burner.wait()  # it ended before the window's last samples: still counted
+    time.sleep(0.5)
     sampler.stop()
     start, end = sampler.samples[0][0], sampler.samples[-1][0]
     cores = sampler.cores_between(start, end)
-    assert 0 < cores["python -c"] <= 1.05, cores  # one busy thread: at most one core
+    assert 0 < cores["python burner.py"] <= 1.05, cores  # one busy thread: at most one core
     assert sampler.cores_between(end + 1, end + 2) == {}  # no samples in that window
