@@ -243,7 +243,8 @@ class Processor:
         When a row can have several samples (`sample_index`), a row with an error in any of
         its samples runs again once, its other samples dropped: it comes back once per sample
         index, never beside its old samples. Its samples are told apart from other rows' by
-        `id_column` (ValueError without one); `ds` is materialized (it is read three times)."""
+        `id_column` (ValueError without one, or for an error row whose id is null); `ds` is
+        materialized (it is read three times)."""
         from ray.data.expressions import col
 
         outputs = list(self.config.output_columns)
@@ -270,6 +271,11 @@ class Processor:
         failed_ids = errors.unique(key)
         if not failed_ids:
             return ds
+        if None in failed_ids:  # its samples cannot be told from other null-id rows' samples
+            raise ValueError(
+                f"retry_errors: rows with an error have a null {key!r} (the id_column); give "
+                "them ids to retry them"
+            )
         kept = ds.filter(expr=col(key).not_in(failed_ids))
         failed = (
             ds.filter(expr=col(key).is_in(failed_ids))

@@ -124,6 +124,11 @@ def test_retry_errors_with_samples_each_row_sample_once(ray_cluster, tiny_model_
     for r in retried:
         assert (r["generated_text"] == KEPT) == (r["doc"] not in redone), r
 
+    # An error row without an id: refused, not merged with other null-id rows.
+    nameless = [{**r, "doc": None} if r["doc"] == "bad-1" else r for r in rows]
+    with pytest.raises(ValueError, match=r"rows with an error have a null 'doc'"):
+        processor.retry_errors(ray.data.from_items(nameless))
+
     without_id = build_processor(replace(config, id_column=None))
     with pytest.raises(ValueError, match=r"needs the processor's id_column"):
         without_id.retry_errors(first)
