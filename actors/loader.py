@@ -55,9 +55,9 @@ class ResolvedModel:
     def files(self) -> ModelSource:
         """Its files on this machine: those resolved when they are here, else the name
         resolved here (another node: a URI or hub id is fetched there once per machine)."""
-        if self.source.path.is_dir():
-            return self.source
-        return resolve_model(self.name).source
+        src = self.source
+        here = (src.path / src.gguf_file).is_file() if src.gguf_file else src.path.is_dir()
+        return src if here else resolve_model(self.name).source
 
 
 def resolve_model(model: str) -> ResolvedModel:

@@ -74,3 +74,14 @@ def test_nothing_after_resolve_input_looks_a_path_up_again(
     assert input_columns(source) == ["prompt"]
     check_input(source)  # every file read, strictly
     assert looked_up == []  # was 4 for these 3 files (columns 1, check 3), and 3 more for sizes
+
+
+def test_a_node_without_the_drivers_files_resolves_the_name_itself(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    here = loader.resolve_model(str(tiny_model_dir))
+    assert here.files() == here.source == loader.ModelSource(tiny_model_dir)
+    # what another node gets from the driver: files at paths its own disk does not have
+    elsewhere = loader.ModelSource(tmp_path / "driver-only" / "snapshot")
+    for source in (elsewhere, loader.ModelSource(tmp_path, "driver-only.gguf")):
+        assert loader.ResolvedModel(here.name, source).files() == here.source
