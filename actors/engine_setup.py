@@ -31,7 +31,7 @@ def load_for_engine(
 
         if model is not None:
             raise ValueError("tensor/pipeline parallel engines load config.model; pass no model")
-        skeleton = meta_model(config, torch.float32)
+        skeleton = meta_model(config, torch.float32, resolved_model)
         check_shapes(skeleton, config.tensor_parallel_size, config.pipeline_parallel_size)
         # the workers' device, not this actor's (it has no GPU)
         dtype = resolve_dtype(config.dtype, worker_device(config))
