@@ -33,6 +33,7 @@ from actors.virtual_schedulers import VirtualSchedulers
 from packing.step_budget import StepBudgetController
 
 if TYPE_CHECKING:
+    from actors.loader import ResolvedModel
     from packing.prefix import PrefixGroup
 
 logger = logging.getLogger(__name__)
@@ -58,11 +59,13 @@ class LLMEngine(PromptQueue):
         model: Any = None,
         tokenizer: Any = None,
         compiled_graph: bool | None = None,
+        resolved_model: ResolvedModel | None = None,
     ) -> None:
         """`compiled_graph` (pp > 1 only): True runs steps through a Ray compiled graph, False
-        through one Ray task per worker per step, None chooses (`actors.parallel.pipelined`)."""
+        through one Ray task per worker per step, None chooses (`actors.parallel.pipelined`).
+        `resolved_model`: `config.model` as the caller resolved it (`actors.loader`)."""
         self.config = config = config or EngineConfig()
-        model, tokenizer, dtype = load_for_engine(config, model, tokenizer)
+        model, tokenizer, dtype = load_for_engine(config, model, tokenizer, resolved_model)
         self.tokenizer = tokenizer
         self.model = model
         self.rope = RopePolicy.of(model)  # None unless the rope depends on the length

@@ -15,18 +15,23 @@ from actors.dtypes import resolve_dtype
 
 
 def load_for_engine(
-    config: EngineConfig, model: Any = None, tokenizer: Any = None
+    config: EngineConfig,
+    model: Any = None,
+    tokenizer: Any = None,
+    resolved_model: loader.ResolvedModel | None = None,
 ) -> tuple[Any, Any, torch.dtype]:
     """(model, tokenizer, dtype) for an engine of `config`; `model` and `tokenizer` are the
-    caller's when given (a given model keeps its dtype). A model that would run wrong is
-    refused with `UnsupportedModelError`."""
+    caller's when given (a given model keeps its dtype); else read from `resolved_model` (the
+    caller resolved `config.model` already: the job's driver), or from `config.model`. A model
+    that would run wrong is refused with `UnsupportedModelError`."""
+    files = resolved_model if resolved_model is not None else config.model
     if config.world_size > 1:  # workers load the weights; this is the skeleton only
         from actors.parallel.placement import worker_device
         from actors.parallel.weights import check_shapes, meta_model
 
         if model is not None:
             raise ValueError("tensor/pipeline parallel engines load config.model; pass no model")
-        skeleton = meta_model(config, torch.float32)
+        skeleton = meta_model(config, torch.float32, resolved_model)
         check_shapes(skeleton, config.tensor_parallel_size, config.pipeline_parallel_size)
         # the workers' device, not this actor's (it has no GPU)
         dtype = resolve_dtype(config.dtype, worker_device(config))
@@ -34,10 +39,10 @@ def load_for_engine(
     elif model is None:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(config.dtype, device)
-        model = loader.load_model(config.model, dtype, device, config.trust_remote_code)
+        model = loader.load_model(files, dtype, device, config.trust_remote_code)
     else:
         dtype = next(model.parameters()).dtype
     architectures.check_model(model, config.tensor_parallel_size, config.pipeline_parallel_size)
     if tokenizer is None:
-        tokenizer = loader.load_tokenizer(config.model, config.trust_remote_code)
+        tokenizer = loader.load_tokenizer(files, config.trust_remote_code)
     return model, tokenizer, dtype

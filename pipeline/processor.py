@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from actors.config import EngineConfig
+from actors.loader import ResolvedModel, resolve_model
 from pipeline import dedupe, stage
 from pipeline.engine_actor import default_torch_threads, engine_actor_args, shards_in_flight
 from pipeline.infer import InferStage
@@ -53,7 +54,9 @@ class Processor:
     asked. `engine_rows` is the path in between, which the offline job runs too.
 
     `facts` (context length, vocabulary size) when the caller has read them already
-    (`model_facts`); else they are read on first use. `preprocess` / `postprocess` (Ray Data
+    (`model_facts`), and `resolved_model` when it has resolved the engine's model (the job's
+    `prepare`); else each is found once, on first use, and handed to the stages that read
+    the model (tokenizer and engine actors). `preprocess` / `postprocess` (Ray Data
     LLM's): a function of a row applied before (`ds.map`) and after; `before` a stage run on
     the rows the preprocess returns; `ray_columns` renames the output columns as Ray Data LLM
     names them (`pipeline.ray_llm`)."""
@@ -63,6 +66,7 @@ class Processor:
         config: ProcessorConfig,
         *,
         facts: tuple[int, int] | None = None,
+        resolved_model: ResolvedModel | None = None,
         preprocess: Callable[[Row], Row] | None = None,
         postprocess: Callable[[Row], Row] | None = None,
         before: ChatPromptStage | None = None,
@@ -70,6 +74,7 @@ class Processor:
     ):
         self.config = config
         self._model = facts
+        self._resolved_model = resolved_model
         self.preprocess = preprocess
         self.postprocess = postprocess
         self.before = before
@@ -211,6 +216,7 @@ class Processor:
                 infer_cls,
                 fn_constructor_args=(config.engine, config.sampling),
                 fn_constructor_kwargs=dict(
+                    resolved_model=self.resolved_model(),
                     text_column=config.text_column,
                     keep_columns=carry,
                     torch_threads=compute.torch_threads or threads,
@@ -291,10 +297,16 @@ class Processor:
         )
         return kept.union(self(failed))
 
+    def resolved_model(self) -> ResolvedModel:
+        """The engine's model resolved into its files (once, on the driver)."""
+        if self._resolved_model is None:
+            self._resolved_model = resolve_model(self.config.engine.model)
+        return self._resolved_model
+
     def model_facts(self) -> tuple[int, int]:
         """The model's context length and vocabulary size (read once, on the driver)."""
         if self._model is None:
-            self._model = model_facts(self.config.engine)
+            self._model = model_facts(self.config.engine, self.resolved_model())
         return self._model
 
     def _tokenizer(self, carry: tuple[str, ...]) -> tuple[type, dict]:
@@ -317,7 +329,7 @@ class Processor:
         return TokenizeStage, dict(
             fn_constructor_args=(config.prompt,),
             fn_constructor_kwargs=dict(
-                model=config.engine.model,
+                model=self.resolved_model(),
                 max_model_len=max_model_len,
                 sampling=config.sampling,
                 keep_columns=carry,
@@ -372,15 +384,18 @@ def _with_sampling_params(preprocess: Callable[[Row], Row]) -> Callable[[Row], R
     return run
 
 
-def model_facts(engine: EngineConfig) -> tuple[int, int]:
-    """(context length, vocabulary size) of the engine's model: `max_model_len` when set,
-    else the model config's `max_position_embeddings`; FileNotFoundError for no model, and
+def model_facts(
+    engine: EngineConfig, resolved_model: ResolvedModel | None = None
+) -> tuple[int, int]:
+    """(context length, vocabulary size) of the engine's model (`resolved_model` when the
+    caller resolved it): `max_model_len` when set, else the model config's
+    `max_position_embeddings`; FileNotFoundError for no model, and
     `actors.architectures.UnsupportedModelError` (a ValueError) for a model the engine would
     run wrong, before any actor starts."""
     from actors.loader import checked_config
 
     hf = checked_config(
-        engine.model,
+        resolved_model or engine.model,
         engine.trust_remote_code,
         engine.tensor_parallel_size,
         engine.pipeline_parallel_size,

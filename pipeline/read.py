@@ -1,4 +1,5 @@
-"""Read the prompt table: find the files, check the columns before any work, build the dataset.
+"""Read the prompt table: the input resolved once (`resolve_input`, pipeline/input_source.py),
+its columns checked before any work, every file checked, the dataset built from that value.
 
 Everything up to `read_dataset` runs on the driver without Ray and touches at most one file's
 header, so a bad path or a missing column fails in well under a second with a message that
@@ -10,112 +11,25 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
-from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
 
-from pipeline import storage
-from pipeline.config import InputConfig, InputFormat
 from pipeline.input_check import InputCheck, check_files, open_text
+from pipeline.input_source import InputSource, resolve_input
 
 logger = logging.getLogger(__name__)
 
-_SUFFIXES: dict[str, InputFormat] = {
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    ".jsonl": "jsonl",
-    ".json": "jsonl",
-    ".ndjson": "jsonl",
-    ".csv": "csv",
-}
-_HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _PEEK_LINES = 100  # JSONL rows may differ in keys: the columns are the union of the first ones
 
-
-@dataclass(frozen=True)
-class InputSource:
-    """The resolved input: its format and the files (or, for `hf`, the folder) to read."""
-
-    format: InputFormat
-    paths: tuple[str, ...]
-
-
-def resolve_input(config: InputConfig, exclude: str | None = None) -> InputSource:
-    """Expand the path (file, folder or glob; local or a URI, see pipeline/storage.py) and
-    settle the format; ValueError when nothing readable is there, or when the files are of
-    several formats (the job reads one).
-
-    Files inside the folder `exclude` (the job's --output) are no input: an output folder
-    inside the input folder would otherwise be read back as input on every rerun."""
-    path = config.path
-    remote = storage.is_remote(path)
-    if config.format == "hf" or (not remote and os.path.isdir(path) and _is_hf_folder(Path(path))):
-        if remote or not os.path.isdir(path):
-            raise ValueError(f"input {path!r}: a saved Hugging Face dataset must be a local folder")
-        return InputSource("hf", (path,))
-    if any(ch in path for ch in "*?["):
-        files = storage.glob(path)
-        if not files:
-            raise ValueError(f"input glob {path!r} matches no files")
-    elif (found := storage.kind(path)) == "dir":
-        files = [
-            p
-            for p in storage.list_files(path, recursive=True)
-            if not storage.basename(p).startswith((".", "_")) and _format_of(p)
-        ]
-        if not files:
-            raise ValueError(
-                f"input folder {path!r} holds no .parquet, .jsonl/.json or .csv files "
-                "(and is not a folder saved by datasets.save_to_disk)"
-            )
-    elif found == "file":
-        files = [path]
-    else:
-        raise ValueError(f"input {path!r} does not exist")
-    if exclude is not None:
-        files = [f for f in files if not _inside(f, exclude)]
-        if not files:
-            raise ValueError(
-                f"input {path!r}: every file is inside --output {exclude!r} (the job never "
-                "reads its output as input)"
-            )
-    fmt = config.format or _format_of(files[0])
-    if fmt is None:
-        raise ValueError(
-            f"cannot tell the format of {files[0]!r} from its name; "
-            "pass the format (parquet, jsonl, csv or hf)"
-        )
-    _check_one_format(path, files, fmt)
-    return InputSource(fmt, tuple(files))
-
-
-def _check_one_format(path: str, files: list[str], fmt: str) -> None:
-    """ValueError naming the files whose names say another format than `fmt` (files whose
-    names say none are read as `fmt`)."""
-    by_format: dict[str, list[str]] = {}
-    for f in files:
-        by_format.setdefault(_format_of(f) or fmt, []).append(storage.basename(f))
-    if len(by_format) > 1:
-        described = "; ".join(
-            f"{len(names)} {name} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-            for name, names in by_format.items()
-        )
-        raise ValueError(
-            f"input {path!r} mixes file formats: {described}. The job reads one format: "
-            "point --input at one format's files (a glob such as 'folder/*.parquet')"
-        )
-
-
-def _inside(file: str, folder: str) -> bool:
-    """Whether `file` is below `folder` (both local, or both URIs)."""
-    if storage.is_remote(file) != storage.is_remote(folder):
-        return False
-    if storage.is_remote(file):
-        return file.startswith(folder.rstrip("/") + "/")
-    root = os.path.realpath(storage.local_path(folder))
-    return os.path.realpath(storage.local_path(file)).startswith(root.rstrip(os.sep) + os.sep)
+__all__ = [
+    "InputCheck",
+    "InputSource",
+    "check_columns",
+    "check_input",
+    "input_columns",
+    "read_dataset",
+    "resolve_input",
+]
 
 
 def input_columns(source: InputSource, hf_split: str | None = None) -> list[str]:
@@ -137,15 +51,15 @@ def input_columns(source: InputSource, hf_split: str | None = None) -> list[str]
 
 
 def _columns(source: InputSource, hf_split: str | None) -> list[str]:
-    first = source.paths[0]
+    file = source.files[0]
+    first = file.name
     if source.format == "parquet":
         import pyarrow.parquet as pq
 
-        fs, inner = storage.resolve(first)
-        return list(pq.read_schema(inner, filesystem=fs).names)
+        return list(pq.read_schema(file.inner, filesystem=file.filesystem).names)
     if source.format == "jsonl":
         keys: dict[str, None] = {}
-        with open_text(first) as fh:
+        with open_text(file) as fh:
             for line_no, line in enumerate(fh):
                 if line_no >= _PEEK_LINES:
                     break
@@ -161,7 +75,7 @@ def _columns(source: InputSource, hf_split: str | None) -> list[str]:
                     keys.update(dict.fromkeys(row))
         return list(keys)
     if source.format == "csv":
-        with open_text(first) as fh:
+        with open_text(file) as fh:
             header = next(csv.reader(fh), [])
         return list(header)
     return list(_load_hf(first, hf_split).column_names)
@@ -181,7 +95,7 @@ def check_input(source: InputSource) -> InputCheck:
     checked by `datasets` when loaded."""
     if source.format == "hf":
         return InputCheck()
-    return check_files(source.format, source.paths)
+    return check_files(source.format, source.files)
 
 
 def read_dataset(
@@ -196,7 +110,7 @@ def read_dataset(
     import ray.data
 
     paths = list(source.paths)
-    fs = storage.filesystem(paths[0]) if source.format != "hf" else None
+    fs = source.filesystem
     # The paths are already resolved and the format decided (--input-format overrides the file
     # names): Ray Data must not drop files whose extension does not match the format.
     if source.format == "parquet":
@@ -228,17 +142,6 @@ def read_dataset(
     else:
         ds = ray.data.from_huggingface(_load_hf(paths[0], hf_split))
     return ds.repartition(target_num_rows_per_block=rows_per_block)
-
-
-def _format_of(name: str) -> InputFormat | None:
-    lowered = name.lower()
-    if lowered.endswith(".gz"):
-        lowered = lowered[:-3]
-    return _SUFFIXES.get(os.path.splitext(lowered)[1])
-
-
-def _is_hf_folder(folder: Path) -> bool:
-    return any((folder / marker).exists() for marker in _HF_MARKERS)
 
 
 def _load_hf(path: str, split: str | None):  # noqa: ANN202 (datasets.Dataset)

@@ -121,12 +121,32 @@ def glob(pattern: str) -> list[str]:
     if not is_remote(pattern):
         local = local_path(pattern)
         return sorted(p for p in globlib.glob(local, recursive=True) if os.path.isfile(p))
+    regex = re.compile(_glob_regex(pattern))
+    return [p for p in list_files(glob_root(pattern), recursive=True) if regex.fullmatch(p)]
+
+
+def glob_root(pattern: str) -> str:
+    """The folder a remote glob's matches are listed from: its parts before the first
+    wildcard (a local pattern as it is: only that it is local matters to `located`)."""
+    if not is_remote(pattern):
+        return local_path(pattern)
     scheme, _, rest = pattern.partition("://")
     parts = rest.split("/")
     fixed = next(i for i, part in enumerate(parts) if any(c in part for c in _GLOB_CHARS))
-    folder = f"{scheme}://" + "/".join(parts[:fixed])
-    regex = re.compile(_glob_regex(pattern))
-    return [p for p in list_files(folder, recursive=True) if regex.fullmatch(p)]
+    return f"{scheme}://" + "/".join(parts[:fixed])
+
+
+def located(root: str, paths: list[str]) -> tuple[Any, list[str], list[int]]:
+    """(filesystem, each path inside it, each file's size) for files at or below `root`,
+    named as `list_files` and `glob` name them: the filesystem is resolved once, from `root`,
+    and the sizes asked for in one call."""
+    fs, below = resolve(root)
+    if fs is None:
+        inner = [local_path(p) for p in paths]
+        return None, inner, [os.path.getsize(p) for p in inner]
+    base = str(root).rstrip("/")
+    inner = [below.rstrip("/") + p[len(base) :] if p != root else below for p in paths]
+    return fs, inner, [int(info.size) for info in fs.get_file_info(inner)]
 
 
 def _glob_regex(pattern: str) -> str:

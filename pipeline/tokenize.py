@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -25,6 +26,9 @@ from pipeline.prompts import (
     sampling_overrides,
 )
 from pipeline.stage import Stage
+
+if TYPE_CHECKING:
+    from actors.loader import ResolvedModel
 
 _INT64 = 2**64
 
@@ -42,7 +46,7 @@ class TokenizeStage(Stage):
         self,
         prompt: PromptConfig,
         *,
-        model: str,
+        model: str | ResolvedModel,
         max_model_len: int,
         sampling: SamplingParams,
         keep_columns: Sequence[str] = (),

@@ -22,11 +22,13 @@ from actors.parallel.tp import TPShape, shard_layer, shard_slice, tp_shape
 from actors.rope import RequestRotary, RopePolicy
 
 
-def checkpoint_folder(config: EngineConfig) -> Path:
-    """The safetensors folder of `config.model` (the embedded default is converted once)."""
-    if config.model == loader.EMBEDDED_NAME:
-        loader.ensure_embedded_converted()
-    source = loader.resolve(config.model)
+def checkpoint_folder(
+    config: EngineConfig, resolved_model: loader.ResolvedModel | None = None
+) -> Path:
+    """The safetensors folder of `config.model` (the embedded default is converted once), or
+    of `resolved_model` when the caller resolved it."""
+    resolved = resolved_model or loader.resolve_model(config.model)
+    source = resolved.files()
     if source.gguf_file is not None:
         raise ValueError(
             f"tensor/pipeline parallel engines load sharded safetensors; {config.model!r} is a "
@@ -35,11 +37,13 @@ def checkpoint_folder(config: EngineConfig) -> Path:
     return source.path
 
 
-def meta_model(config: EngineConfig, dtype: torch.dtype) -> Any:
+def meta_model(
+    config: EngineConfig, dtype: torch.dtype, resolved_model: loader.ResolvedModel | None = None
+) -> Any:
     """The model's skeleton on the meta device (geometry, config, generation config)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    folder = checkpoint_folder(config)
+    folder = checkpoint_folder(config, resolved_model)
     hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]

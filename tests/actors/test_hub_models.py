@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from actors import EngineConfig, LLMEngine, SamplingParams
-from actors.loader import HUB_FILES, ModelSource, hub_cache_dir, hub_offline, resolve
+from actors.loader import (
+    HUB_FILES,
+    ModelSource,
+    hub_cache_dir,
+    hub_offline,
+    resolve,
+    resolve_model,
+)
 from pipeline.lineage import model_identity
 from tests.actors.reference import hf_greedy
 from tests.hub_cache import cache_repo
@@ -60,11 +67,13 @@ def test_hub_id_resolves_to_its_snapshot_in_the_cache(hub_cache, monkeypatch) ->
     monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
     assert resolve("org/tiny") == ModelSource(snapshot / SHA)
     # the lineage names the model by its snapshot (the revision is in the path)
-    identity = model_identity("org/tiny")
+    identity = model_identity(resolve_model("org/tiny"))
     assert identity["name"] == "org/tiny"
     assert identity["path"] == str((snapshot / SHA).resolve())
     assert identity["path"].endswith(f"snapshots/{SHA}")
-    assert model_identity(f"org/tiny@{OLD_SHA}")["path"].endswith(f"snapshots/{OLD_SHA}")
+    assert model_identity(resolve_model(f"org/tiny@{OLD_SHA}"))["path"].endswith(
+        f"snapshots/{OLD_SHA}"
+    )
 
 
 def test_missing_hub_id_names_id_cache_and_remedy(hub_cache) -> None:  # noqa: ANN001

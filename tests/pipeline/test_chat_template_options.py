@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from actors.loader import load_tokenizer
+from actors.loader import load_tokenizer, resolve_model
 from actors.tokenization import ChatTemplateError, encode_chat
 from pipeline.chat_template import parse_template_kwargs, read_chat_template
 from pipeline.commands.generate import build_config, build_parser
@@ -138,7 +138,7 @@ def test_a_changed_template_or_kwarg_or_n_is_a_lineage_difference(tiny_model_dir
     )
 
     def record(job: JobConfig) -> dict:
-        return lineage.job_lineage(job, "id", (), 512)
+        return lineage.job_lineage(job, "id", (), 512, resolve_model(job.engine.model))
 
     first = record(config)
     thinking = replace(chat, chat_template_kwargs={"enable_thinking": True})

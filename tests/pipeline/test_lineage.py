@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from actors.config import EngineConfig, SamplingParams
+from actors.loader import resolve_model
 from pipeline import lineage
 from pipeline.config import InputConfig, JobConfig, PromptConfig
 from pipeline.output import OutputFolder
@@ -29,7 +30,7 @@ def _config(model: Path, out: Path, **sampling) -> JobConfig:
 
 
 def _record(config: JobConfig) -> dict:
-    return lineage.job_lineage(config, "id", (), 512)
+    return lineage.job_lineage(config, "id", (), 512, resolve_model(config.engine.model))
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -56,22 +57,23 @@ def test_record_is_stable_and_names_what_changed(tiny_model_dir, tmp_path):
 def test_model_fingerprint_follows_the_weights(tiny_model_dir, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
-    before = lineage.model_identity(str(model))
-    tokenizer = lineage.tokenizer_identity(str(model))
-    assert before == lineage.model_identity(str(model))
+    resolved = resolve_model(str(model))
+    before = lineage.model_identity(resolved)
+    tokenizer = lineage.tokenizer_identity(resolved)
+    assert before == lineage.model_identity(resolved)
     (model / ".cache" / "huggingface").mkdir(parents=True)  # a download tool's metadata
     (model / ".cache" / "huggingface" / "x.metadata").write_text("changes on every download")
-    assert before == lineage.model_identity(str(model))
+    assert before == lineage.model_identity(resolved)
     weights = next(model.glob("*.safetensors"))
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten in place
-    after = lineage.model_identity(str(model))
+    after = lineage.model_identity(resolved)
     assert after["fingerprint"] != before["fingerprint"] and after["path"] == before["path"]
-    assert lineage.tokenizer_identity(str(model)) == tokenizer  # the tokenizer did not change
+    assert lineage.tokenizer_identity(resolved) == tokenizer  # the tokenizer did not change
     (model / "tokenizer_config.json").write_text(
         (model / "tokenizer_config.json").read_text().replace("}", ', "x": 1}', 1)
     )
-    assert lineage.tokenizer_identity(str(model)) != tokenizer
+    assert lineage.tokenizer_identity(resolved) != tokenizer
 
 
 def test_settle_writes_checks_refuses_untouched_and_overwrites_own_files(tiny_model_dir, tmp_path):

@@ -5,17 +5,19 @@ No Ray: the runs themselves are in test_job.py, test_parallel_job.py and test_pr
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from actors.config import EngineConfig, SamplingParams
+from actors.loader import ModelSource, ResolvedModel
 from actors.outputs import RequestOutput, TokenLogprob
 from pipeline import ProcessorConfig, build_processor, stage
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
 from pipeline.infer import LOGPROBS_TYPE, InferStage
+from pipeline.input_source import InputFile, InputSource
 from pipeline.job import PreparedJob, processor_config
 from pipeline.plan import plan_partition
-from pipeline.read import InputSource
 from tests.pipeline.test_plan_infer import tokenized
 
 
@@ -38,13 +40,14 @@ def test_the_jobs_options_reach_the_processors_config():
         text_column="answer",
     )
     prepared = PreparedJob(
-        source=InputSource(paths=("in.parquet",), format="parquet"),
+        source=InputSource("parquet", (InputFile("in.parquet", "in.parquet", 10),)),
         columns=("doc", "q", "params", "temperature"),
         id_column=None,
         override_columns=prompt.override_columns,
         max_model_len=128,
         vocab_size=256,
         num_partitions=5,
+        resolved_model=ResolvedModel("smollm2", ModelSource(Path("model"))),
     )
     config = processor_config(job, prepared)
     assert config.prompt == prompt  # the same prompt config back: one tokenizer stage
