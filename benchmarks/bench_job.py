@@ -253,6 +253,7 @@ def run_one_job(
         },
         "rows": out.num_rows,
         "summary_rows": summary.rows,
+        "phases_s": summary.phases_s,  # the job's own (pipeline/phases.py): from run_job's call
         "steps": len(steps["steps"]),
         "stepping_thread": steps["actor"],
         "running_per_step": [s[1] for s in steps["steps"]],
@@ -371,6 +372,7 @@ def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[str, lis
             "runs_s": [j["wall_s"] for j in runs],
             "job_s": statistics.median(j["job_s"] for j in runs),
             "breakdown_s": last["breakdown_s"],
+            "phases_s": last["phases_s"],
             "steps": last["steps"],
             "stepping_thread": last["stepping_thread"],
             "median_running_per_step": statistics.median(running),

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -28,6 +29,7 @@ from pipeline.console import ConsoleOptions
 from pipeline.engine_flags import add_engine_flags, engine_config_from_args
 from pipeline.engine_placement import NoRoomError
 from pipeline.guided_flags import add_guided_args, guided_from_args
+from pipeline.phases import JobClock
 
 logger = logging.getLogger(__name__)
 
@@ -334,20 +336,21 @@ def job_sampling(args: argparse.Namespace) -> SamplingParams:
         raise
 
 
-def connect_ray(num_cpus: int | None = None, logging_level: int = logging.INFO) -> None:
-    """Join the cluster at RAY_ADDRESS (as under `ray job submit`), else start a local Ray.
-    An already connected process (tests) is left as it is. `logging_level`: Ray's own
-    loggers' (ray.init sets them)."""
+def connect_ray(num_cpus: int | None = None, logging_level: int = logging.INFO) -> bool:
+    """Join the cluster at RAY_ADDRESS (as under `ray job submit`), else start a local Ray;
+    whether it connected. An already connected process (tests) is left as it is (False).
+    `logging_level`: Ray's own loggers' (ray.init sets them)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     if os.environ.get("RAY_ADDRESS"):
         context = ray.init(logging_level=logging_level)
     else:
         context = ray.init(num_cpus=num_cpus, logging_level=logging_level)
     if context.dashboard_url:
         logger.info("Ray dashboard: http://%s", context.dashboard_url)
+    return True
 
 
 def run(
@@ -357,9 +360,12 @@ def run(
     console_options: ConsoleOptions | None = None,
 ) -> int:
     """Check, connect, run, print the summary. Bad input exits 2 with the reason, before Ray
-    starts. What it prints besides: pipeline/console.py."""
+    starts. What it prints besides: pipeline/console.py. The summary has the job's phases
+    (pipeline/phases.py), this command's Ray shutdown among them."""
     from pipeline.job import claim_output, prepare, run_job
 
+    clock = JobClock()
+    clock.mark("command")
     options = console_options or ConsoleOptions()
     console.quiet_command(options)
     try:
@@ -375,16 +381,27 @@ def run(
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    clock.mark("checked")
     with folder:
-        connect_ray(num_cpus, logging.INFO if options.verbose else logging.WARNING)
+        connected = connect_ray(num_cpus, logging.INFO if options.verbose else logging.WARNING)
+        clock.mark("ray_up")
         console.quiet_ray_data(options)
         watch = console.progress_watch(options, prepared.source)
         try:
             with console.filter_stderr():
-                summary = run_job(config, prepared=prepared, folder=folder, watch=watch)
+                summary = run_job(
+                    config, prepared=prepared, folder=folder, watch=watch, clock=clock
+                )
         except NoRoomError as exc:  # actors the cluster can never hold: before any work
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if connected:  # else the caller's Ray; ours would go at exit, untimed
+        import ray
+
+        stopping = time.perf_counter()
+        ray.shutdown()
+        shutdown = round(time.perf_counter() - stopping, 2)
+        summary = replace(summary, phases_s={**summary.phases_s, "shutdown": shutdown})
     print(console.summary_text(summary, as_json))
     return 0
 

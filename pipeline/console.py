@@ -239,18 +239,21 @@ def progress_watch(options: ConsoleOptions, source: Any) -> Any:
 
 
 def summary_text(summary: Any, as_json: bool) -> str:
-    """The run's summary as the command prints it once: the line (or the JSON), where the
-    output went and where the report is."""
+    """The run's summary as the command prints it once: the line (or the JSON), the job's
+    phases (pipeline/phases.py), where the output went and where the report is."""
     from dataclasses import asdict
 
     from pipeline import storage
+    from pipeline.phases import phases_line
     from pipeline.report import REPORT_FILE, SUMMARY_FILE
 
     if as_json:
         return json.dumps(asdict(summary), indent=2)
     report = storage.join(summary.output, REPORT_FILE)
+    timing = phases_line(summary.phases_s)
     return (
         f"{summary.log_line()}\n"
-        f"output: {summary.output}\n"
+        + (f"time: {timing}\n" if timing else "")
+        + f"output: {summary.output}\n"
         f"report: {report} (figures in {storage.join(summary.output, SUMMARY_FILE)})"
     )

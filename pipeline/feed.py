@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -90,6 +91,9 @@ class EngineFeed:
         self._shards: list[_Shard] = []  # in the engine now, in submission order
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # starts the thread once
+        # time.time() of the first step's start and the latest step's end (pipeline/phases.py)
+        self.first_step_at: float | None = None
+        self.last_step_at: float | None = None
 
     def submit(
         self, shard_id: str, prompts: Sequence, params: Sequence[SamplingParams], groups: list
@@ -148,6 +152,8 @@ class EngineFeed:
             self._active[rid] = shard
 
     def _step(self) -> None:
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
         try:
             outputs = self.engine.step()
         except WorkerFailedError as exc:
@@ -157,6 +163,7 @@ class EngineFeed:
             logger.exception("the engine failed; the rows of the shards in it get an error")
             self._fail_all(exc)
             return
+        self.last_step_at = time.time()
         for out in outputs:
             if not out.finished:
                 continue

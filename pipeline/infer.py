@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
@@ -42,12 +44,14 @@ from pipeline.feed import EngineFeed
 from pipeline.group_columns import ShardGroups
 from pipeline.logs import setup_worker_logging
 from pipeline.parsed import PARSED, parsed_column
+from pipeline.phases import EngineMarks
 from pipeline.progress import ProgressReporter
 from pipeline.prompts import merge_sampling
 from pipeline.stage import Stage
 
 logger = logging.getLogger(__name__)
 
+_ACTOR = f"{socket.gethostname()}:{os.getpid()}"  # this process, for the job's phases
 
 _TOP = pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float64())]))
 LOGPROBS_TYPE = pa.list_(
@@ -78,7 +82,11 @@ class InferStage(Stage):
         parsed_type: pa.DataType | None = None,
         resolved_model: ResolvedModel | None = None,
         engine=None,  # noqa: ANN001 (actors.LLMEngine or a stand-in)
+        timeline=None,  # noqa: ANN001 (actor handle of pipeline.report.StatsCollector)
     ):
+        # The job's phases (pipeline/phases.py): this actor's marks go to `timeline`.
+        self.marks = EngineMarks(constructed=time.time())
+        self.timeline = timeline
         setup_worker_logging()
         if torch_threads:
             import torch
@@ -92,6 +100,7 @@ class InferStage(Stage):
         self.with_logprobs = with_logprobs
         self.with_samples = with_samples
         engine = engine if engine is not None else self._new_engine()
+        self.marks.loaded = time.time()
         # The job's live progress: each row counted as its request ends (pipeline/progress.py).
         self.progress = ProgressReporter(progress) if progress is not None else None
         self.parsed_type = parsed_type  # the `parsed` column's (pipeline/parsed.py), or none
@@ -200,6 +209,10 @@ class InferStage(Stage):
         flat = [out for outs in outputs for out in (outs or [None])]
         table = self._rows(shard, shard_id, members, rows, flat, groups)
         self._log(shard_id, table, len(groups.engine), time.perf_counter() - started)
+        if self.timeline is not None:
+            self.marks.first_step = self.feed.first_step_at
+            self.marks.last_step = self.feed.last_step_at
+            self.timeline.record_engine.remote(_ACTOR, replace(self.marks))
         return table
 
     def _rows(

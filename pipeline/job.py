@@ -32,6 +32,7 @@ from pipeline.config import OUTPUT_ID, JobConfig
 from pipeline.engine_placement import EnginePlacements
 from pipeline.infer import InferStage
 from pipeline.output import OutputFolder, check_output
+from pipeline.phases import JobClock
 from pipeline.processor import Processor, ProcessorConfig, model_facts
 from pipeline.progress import ProgressBoard
 from pipeline.prompts import SAMPLING_FIELDS, RowIdStage
@@ -249,6 +250,7 @@ def run_job(
     on_written: Callable[[Any], None] | None = None,
     folder: OutputFolder | None = None,
     watch: Callable[[Any, int], AbstractContextManager[Any]] | None = None,
+    clock: JobClock | None = None,
 ) -> Summary:
     """Run the whole job into `config.output` (resuming what is there) and report.
     `on_written` gets the written Ray Dataset, executed (benchmarks read its per-operator
@@ -258,7 +260,10 @@ def run_job(
 
     The output folder is claimed for the run and its lineage settled (`claim_output`:
     OutputBusyError while another job holds it, LineageMismatch when another lineage produced
-    it) unless the caller passes the `folder` it claimed that way."""
+    it) unless the caller passes the `folder` it claimed that way.
+
+    `clock`: the command's marks so far (pipeline/phases.py); the job adds its own and the
+    engines', and the summary's `phases_s` has the phases they give."""
     if folder is None:
         prepared = prepared or prepare(config)
         with claim_output(config, prepared) as claimed:
@@ -269,12 +274,15 @@ def run_job(
                 on_written=on_written,
                 folder=claimed,
                 watch=watch,
+                clock=clock,
             )
     import ray
 
     from pipeline.writer import ShardSink
 
     started = time.perf_counter()
+    timer = clock or JobClock(start=time.time())
+    timer.mark("job")
     prepared = prepared or prepare(config)
     config = _resolved_dtype(config)
     groups = check_room(config)  # before anything is written
@@ -299,7 +307,11 @@ def run_job(
             )
             with watching:
                 written = sink.write(ds)
+            timer.mark("written")
             plan = ray.get(collector.plan_total.remote())
+            planned, engines = ray.get(collector.timing.remote())
+            if planned is not None:
+                timer.mark("planned", planned)
             if on_written is not None:
                 on_written(written)
             del ds, written  # the executed datasets' per-block stats go with them
@@ -314,7 +326,12 @@ def run_job(
     summary, distributions = summarize(
         config.output, written, plan, time.perf_counter() - started, state.num_done
     )
-    write_report(config.output, summary, distributions)
+
+    def phases() -> dict[str, float]:
+        timer.mark("reported")
+        return timer.phases(engines)
+
+    summary = write_report(config.output, summary, distributions, phases)
     logger.debug("summary: %s", summary.log_line())  # the command prints it (pipeline/cli.py)
     return summary
 

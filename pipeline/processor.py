@@ -224,6 +224,8 @@ class Processor:
                     with_logprobs=config.with_logprobs,
                     with_samples=config.with_samples,
                     **({"progress": progress} if progress is not None else {}),
+                    # the engine actors' marks, for the job's phases (pipeline/phases.py)
+                    **({"timeline": collector} if collector is not None else {}),
                     parsed_type=config.parsed_type,
                 ),
                 batch_format="pyarrow",

@@ -12,15 +12,17 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
 
 from pipeline import stage, storage
 from pipeline.id_table import IdTable, content_key
+from pipeline.phases import EngineMarks
 from pipeline.plan import PlanStats
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,8 @@ class StatsCollector:
         # preview or None).
         self._ids = IdTable()
         self._versions: dict[str, list[tuple[str, str | None]]] = {}
+        self._planned: float | None = None  # when the last partition's plan arrived
+        self._engines: dict[str, EngineMarks] = {}  # pipeline/phases.py, per engine actor
 
     def register_rows(self, ids: Sequence[str], hashes: Sequence[str]) -> list[bool]:
         """Record each row's id and content hash (the id stage, before the shuffle); for each,
@@ -77,8 +81,21 @@ class StatsCollector:
         return self._ids.claim(partition, ids)
 
     def record_plan(self, key: str, stats: PlanStats) -> None:
-        """Store one partition's plan stats."""
+        """Store one partition's plan stats (and when: the job's `planned` mark)."""
         self._plans[key] = stats
+        self._planned = time.time()
+
+    def record_engine(self, actor: str, marks: EngineMarks) -> None:
+        """An engine actor's marks so far (pipeline/phases.py), merged with what it sent
+        before (its shards' threads send in any order: the latest last step is kept)."""
+        self._engines[actor] = self._engines.get(actor, marks).merged(marks)
+
+    def timing(self) -> tuple[float | None, EngineMarks]:
+        """When the last plan arrived, and the engine actors' marks merged."""
+        merged = EngineMarks()
+        for marks in self._engines.values():
+            merged = merged.merged(marks)
+        return self._planned, merged
 
     def plan_total(self) -> PlanStats:
         """All partitions' plan stats added up."""
@@ -112,6 +129,8 @@ class Summary:
     split_groups: int  # groups over a shard's limit, split with the prefix repeated
     duplicate_rows: int
     padding_avoided_tokens: int  # a padded batch per shard would have computed these too
+    # the start-up's and the tail's parts, in seconds (pipeline/phases.py)
+    phases_s: dict[str, float] = field(default_factory=dict)
 
     def log_line(self) -> str:
         """The one-line summary."""
@@ -227,13 +246,21 @@ def _row_groups(files: Sequence[str | Path]) -> Iterator[pa.Table]:
 
 
 def write_report(
-    output: str | Path, summary: Summary, distributions: dict[str, Counter[int]]
-) -> None:
-    """`_summary.json` and `_report.png` in the output folder (local or a URI)."""
+    output: str | Path,
+    summary: Summary,
+    distributions: dict[str, Counter[int]],
+    phases: Callable[[], dict[str, float]] | None = None,
+) -> Summary:
+    """`_report.png`, then `_summary.json` in the output folder (local or a URI); the summary
+    written, with `phases()` (pipeline/phases.py) as its `phases_s` when given: called after
+    the picture, so the report's own time is in it."""
     storage.makedirs(output)
+    plot(distributions, storage.join(output, REPORT_FILE))
+    if phases is not None:
+        summary = replace(summary, phases_s=phases())
     text = json.dumps(asdict(summary), indent=2) + "\n"
     storage.write_bytes(storage.join(output, SUMMARY_FILE), text.encode())
-    plot(distributions, storage.join(output, REPORT_FILE))
+    return summary
 
 
 def plot(distributions: dict[str, Counter[int]], path: str | Path) -> None:

@@ -103,6 +103,16 @@ def test_one_actor_every_id_once_equal_to_hf_generate(
     saved = json.loads((tmp_path / "out" / SUMMARY_FILE).read_text())
     assert saved["rows"] == summary.rows
     assert (tmp_path / "out" / REPORT_FILE).stat().st_size > 10_000
+    # The job's start-up and tail, timed from the driver's and the engine actor's marks
+    # (pipeline/phases.py); run_job without the command: from the job's start.
+    phases = saved["phases_s"]
+    assert phases == summary.phases_s
+    parts = ("read_plan", "engine_start", "engine_load", "first_step", "to_first_step")
+    assert set(phases) == {*parts, "steps", "last_write", "report"}, phases
+    assert all(v >= 0 for v in phases.values())
+    assert phases["engine_start"] + phases["engine_load"] <= phases["to_first_step"] + 0.05
+    assert phases["read_plan"] <= phases["to_first_step"] + 0.05
+    assert phases["to_first_step"] + phases["steps"] <= summary.wall_time_s + 0.05
 
 
 def load_job(name: str):

@@ -230,5 +230,9 @@ def test_a_job_shows_moving_progress_and_prints_nothing_alarming(
     summaries = [line for line in done.stdout.splitlines() if "prefix saving" in line]
     assert len(summaries) == 1, done.stdout
     assert f"output: {output}" in done.stdout
+    # The job's phases, once, the command's Ray disconnect among them (pipeline/phases.py).
+    timing = [line for line in done.stdout.splitlines() if line.startswith("time: ")]
+    assert len(timing) == 1 and "first step at" in timing[0], done.stdout
+    assert "imports" in timing[0] and "shutdown" in timing[0], timing
     assert f"report: {output}/_report.png" in done.stdout
     assert (output / "_report.png").exists()
