@@ -383,6 +383,7 @@ def run(
         return 2
     clock.mark("checked")
     with folder:
+        console.filter_forwarded_logs()
         connected = connect_ray(num_cpus, logging.INFO if options.verbose else logging.WARNING)
         clock.mark("ray_up")
         console.quiet_ray_data(options)

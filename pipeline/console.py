@@ -192,6 +192,36 @@ def filter_stderr(patterns: tuple[re.Pattern[str], ...] = HARMLESS_STDERR) -> It
             os.close(saved)
 
 
+def filter_forwarded_logs(patterns: tuple[re.Pattern[str], ...] = HARMLESS_STDERR) -> None:
+    """Drop the lines matching `patterns` from what Ray prints on the driver for its other
+    processes: their log lines (`log_to_driver`) and the errors the raylet pushes to every
+    driver (the worker-startup warning among them: Ray prints those on the driver's *stdout*,
+    from `listen_error_messages`, which `filter_stderr` does not see). Both go through
+    `ray._private.worker.print_to_stdstream`, which is replaced by a filtering one; call this
+    before `ray.init` (which binds it into its log printer). For the rest of the process: only
+    the command that owns it calls this. Ray has no public hook for either; nothing changes
+    when that private function is not there."""
+    try:
+        from ray._private import worker
+    except ImportError:
+        return
+    printer = getattr(worker, "print_to_stdstream", None)
+    if printer is None or getattr(printer, "raypack_filtered", False):
+        return
+    filtered = _dropping(printer, patterns)
+    filtered.raypack_filtered = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = filtered
+
+
+def _dropping(print_lines: Any, patterns: tuple[re.Pattern[str], ...]) -> Any:
+    def kept(data: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        lines = [line for line in data.get("lines", []) if not _matches(line.encode(), patterns)]
+        if lines:
+            print_lines({**data, "lines": lines}, *args, **kwargs)
+
+    return kept
+
+
 def _pump(read_end: int, out: int, patterns: tuple[re.Pattern[str], ...]) -> None:
     pending = b""
     with os.fdopen(read_end, "rb", buffering=0) as source:

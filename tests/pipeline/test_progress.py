@@ -236,3 +236,31 @@ def test_a_job_shows_moving_progress_and_prints_nothing_alarming(
     assert "imports" in timing[0] and "shutdown" in timing[0], timing
     assert f"report: {output}/_report.png" in done.stdout
     assert (output / "_report.png").exists()
+
+
+def test_forwarded_log_lines_lose_only_the_harmless_ones() -> None:
+    """Ray's own printer of what its other processes say (no Ray started), in a fresh process
+    (the filter holds for the rest of it): the raylet's startup warning is dropped from a
+    batch, the batch's other lines are printed as Ray prints them, a batch left empty prints
+    nothing."""
+    script = """
+from ray._private import worker
+from pipeline.console import filter_forwarded_logs
+filter_forwarded_logs()
+filter_forwarded_logs()  # twice: still one filter
+warning = ("WARNING: 8 PYTHON worker processes have been started on node: 5b92 with address: "
+           "192.0.2.2, which is 4x the maximum expected startup concurrency (2). This could")
+worker.print_to_stdstream({"pid": "raylet", "is_err": False, "lines": [warning, "kept"],
+                           "ip": "192.0.2.2", "localhost": "192.0.2.2"}, ignore_prefix=True)
+worker.print_to_stdstream({"pid": "raylet", "is_err": False, "lines": [warning],
+                           "ip": "192.0.2.2", "localhost": "192.0.2.2"}, ignore_prefix=True)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "kept\n"
