@@ -1,6 +1,6 @@
 """Shared test setup: GPU tests are skipped without CUDA; torch uses the machine's cores;
 no test reaches the Hugging Face hub (HF_HUB_OFFLINE=1, inherited by the commands and Ray
-workers tests start)."""
+workers tests start); idle OpenMP threads sleep instead of spinning (OMP_WAIT_POLICY)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,14 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite runs two xdist workers on two cores, each with torch (the job's engine actors on
+# two threads, `pipeline/engine_actor.default_torch_threads`): libgomp's threads spin-wait
+# for work between ops by default, so two such pools oversubscribe the cores and each op's
+# hand-off waits for a spinning thread's time slice. PASSIVE makes them sleep. Set before
+# any test imports torch (libgomp reads it when loaded); the commands and Ray workers the
+# tests start inherit it. Measured (2026-11-26, a tiny-model engine, 16 prompts x 100 tokens
+# beside one busy process): 2 threads 15.7-18.3 s spinning, 1.0-1.4 s passive.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -208,10 +208,11 @@ def test_a_job_shows_moving_progress_and_prints_nothing_alarming(
     done = raypack(
         "generate", "--input", str(prompt_table), "--output", str(output),
         "--template", TEMPLATE, "--model", str(tiny_model_dir),
-        # Long enough to be watched: 300 tokens each, 4 sequences at a time, small shards.
-        "--max-tokens", "300", "--ignore-eos", "--max-num-seqs", "4",
+        # Long enough to be watched: 100 tokens each, 4 sequences at a time, small shards,
+        # a line every 0.25 s (300 tokens at 0.5 s was 45-88 s of the suite).
+        "--max-tokens", "100", "--ignore-eos", "--max-num-seqs", "4",
         "--max-rows-per-shard", "8", "--num-partitions", "1",
-        "--num-cpus-per-actor", "0.25", "--progress-interval", "0.5",
+        "--num-cpus-per-actor", "0.25", "--progress-interval", "0.25",
         env={**os.environ, "RAY_ADDRESS": ray_cluster},
         timeout=280,
     )  # fmt: skip
