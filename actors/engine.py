@@ -22,14 +22,13 @@ from actors.engine_setup import load_for_engine
 from actors.guided import GuidedDecoder
 from actors.model_runner import ModelRunner, StepRunner
 from actors.outputs import FinishReason, RequestOutput, TokenLogprob
-from actors.prefix_sharing import plan_groups, planned_order
-from actors.request import Request, RequestStatus, SharedPrefixState
+from actors.prompt_queue import PromptQueue, _describe
+from actors.request import Request
 from actors.rope import RopePolicy
 from actors.sampler import Sampler
-from actors.samples import SampleBook, fork_samples, per_prompt_params, sample_id
+from actors.samples import SampleBook, per_prompt_params
 from actors.scheduler import SchedulerOutput
 from actors.stats import EngineStats, StepStats
-from actors.tokenization import encode_text
 from actors.virtual_schedulers import VirtualSchedulers
 from packing.step_budget import StepBudgetController
 
@@ -39,7 +38,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(PromptQueue):
     """One model, one paged KV pool, a scheduler per request set, an executor. Not
     thread-safe; one caller drives it.
 
@@ -48,6 +47,8 @@ class LLMEngine:
     workers (`actors.parallel`), which with pp > 1 keep pp steps in flight, one per request
     set. `model` and `tokenizer` may be given (tests pass tiny models); otherwise both are
     loaded from `config.model`. The engine switches the model's attention to `raypack_paged`.
+    How prompts become requests (tokenized, checked, forked into samples and prefix groups,
+    queued or rejected): `PromptQueue` (actors/prompt_queue.py).
     """
 
     def __init__(
@@ -275,45 +276,6 @@ class LLMEngine:
             None,
         )
 
-    def _queue(
-        self,
-        prompts: Sequence[str | Sequence[int]],
-        per_prompt: list[SamplingParams],
-        prefix_groups: Sequence[PrefixGroup],
-        request_id: str | None,  # the one prompt's id (add_request), else new ids
-    ) -> list[str]:
-        token_ids = [self._try_tokenize(p) for p in prompts]  # None: _add reports the error
-        fork = fork_samples(
-            token_ids, per_prompt, prefix_groups, lambda ids: self._check_prompt(ids) is None
-        )
-        groups = plan_groups(
-            [token_ids[i] or [] for i in fork.origin],
-            fork.groups,
-            runnable=lambda ids: self._check_prompt(ids) is None,
-            new_id=lambda: self._new_id("prefix"),
-            cache_salt=self.rope.cache_salt if self.rope is not None else None,
-        )
-        ids = [request_id or self._new_id("req") for _ in prompts]
-        for rid, prompt_params in zip(ids, per_prompt, strict=True):
-            self._samples.add(rid, prompt_params)
-        queued: set[int] = set()
-        for index in planned_order(len(fork.origin), fork.groups):
-            chain = []  # the prompt's groups not queued yet, innermost first
-            group = groups.get(index)
-            while group is not None and id(group) not in queued:
-                chain.append(group)
-                group = group.parent
-            for group in reversed(chain):  # a shared prefix runs before its members
-                self.scheduler.add(group.prefix)
-                queued.add(id(group))
-            origin, sample = fork.origin[index], fork.sample_index[index]
-            tokens = token_ids[origin]
-            prompt = prompts[origin] if tokens is None else tokens
-            rid = sample_id(ids[origin], sample, per_prompt[origin].num_samples)
-            parent = None if rid == ids[origin] else (ids[origin], sample)
-            self._add(prompt, fork.params[index], rid, group, parent)
-        return ids
-
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -333,95 +295,6 @@ class LLMEngine:
         return [results[rid, s] for rid in ids for s in range(wanted[rid])]
 
     # ---- internals ------------------------------------------------------------------------
-
-    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return encode_text(self.tokenizer, prompt)  # as tokenizer(prompt) does
-        return [int(t) for t in prompt]
-
-    def _try_tokenize(self, prompt: str | Sequence[int]) -> list[int] | None:
-        try:
-            return self._tokenize(prompt)
-        except Exception:  # noqa: BLE001 (_add tokenizes it again and reports the error)
-            return None
-
-    def _add(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None,
-        request_id: str | None,
-        group: SharedPrefixState | None,
-        sample: tuple[str, int] | None = None,  # (the caller's request id, sample index)
-    ) -> Request:
-        """Queue a request, or finish it at once with an error: a prompt that cannot run, or
-        anything that raises while the request is built (only this request fails)."""
-        parent_id, sample_index = sample or (None, 0)
-        if request_id is None:
-            request_id = self._new_id("req")
-        elif request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        ids: list[int] = []
-        try:
-            ids = self._tokenize(prompt)
-            req = Request(request_id, ids, params or self.default_params, group=group)
-            req.parent_id, req.sample_index = parent_id, sample_index
-            if self.rope is not None:
-                req.cache_salt = self.rope.cache_salt(req.rope_len)
-            self.detokenizer.start(req)
-        except Exception as exc:  # noqa: BLE001 (this request's fault; the engine goes on)
-            logger.exception("request %s could not be admitted", request_id)
-            req = Request(request_id, ids, SamplingParams(), group=group)
-            req.parent_id, req.sample_index = parent_id, sample_index
-            return self._reject(req, f"admitting the request failed: {_describe(exc)}")
-        error = self._check_prompt(req.prompt_token_ids)
-        if error is not None:
-            assert group is None, "members with invalid prompts are left out of groups"
-            return self._reject(req, error)
-        bad = [t for t, _ in req.params.logit_bias if t >= self.vocab_size]
-        if bad:
-            return self._reject(
-                req,
-                f"logit_bias token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}",
-            )
-        if req.params.guided_decoding is not None:
-            try:  # compiled here, outside the step (once per distinct grammar)
-                self.guided.start(req)
-            except Exception as exc:  # noqa: BLE001 (this request's grammar; the engine goes on)
-                return self._reject(req, f"guided decoding: {_describe(exc)}")
-        self._requests[request_id] = req
-        self.scheduler.add(req)
-        return req
-
-    def _reject(self, req: Request, error: str) -> Request:
-        """Finish a request that never ran with `error`; its output comes from the next step.
-        A group member is counted by its group: it is queued and ended in its scheduler, so
-        the group's prefix is released when its last member ends."""
-        req.error = error
-        if req.group is not None:
-            self.scheduler.add(req)
-            self.scheduler.finish([req], "error")
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = "error"
-        self._finish_time(req)
-        self._pending.append(req.to_output())
-        return req
-
-    def _new_id(self, kind: str) -> str:
-        self._next_id += 1
-        return f"{kind}-{self._next_id - 1}"
-
-    def _check_prompt(self, ids: list[int]) -> str | None:
-        if not ids:
-            return "prompt is empty"
-        if len(ids) + 1 > self.max_model_len:
-            return (
-                f"prompt has {len(ids)} tokens; with one generated token that exceeds "
-                f"max_model_len={self.max_model_len}"
-            )
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            return f"token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}"
-        return None
 
     def _append(
         self, req: Request, token_id: int, logprob: TokenLogprob | None
@@ -475,12 +348,3 @@ class LLMEngine:
         self.guided.finish(req.request_id)
         self._finish_time(req)
         return req.to_output()
-
-    @staticmethod
-    def _finish_time(req: Request) -> None:
-        if req.finished_time is None:
-            req.finished_time = time.monotonic()
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"

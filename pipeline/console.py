@@ -29,6 +29,7 @@ LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # environment), so the engine actors' lines follow --log-level too.
 LOG_LEVEL_ENV = "RAYPACK_LOG_LEVEL"
 OURS = ("pipeline", "actors", "packing", "raypack")
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 # Lines of Ray's C++ core worker on the driver's stderr (not Python logging) that a clean run
 # prints and that say nothing is wrong; dropped by `filter_stderr`.
@@ -114,12 +115,7 @@ def quiet_command(options: ConsoleOptions) -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         if "transformers" in sys.modules:  # imported already: the variable was read
             sys.modules["transformers"].utils.logging.disable_progress_bar()
-    # A new local cluster turns Ray's token authentication on and says so at WARNING; that is
-    # the safe default and needs nothing from the user (the token is in ~/.ray/auth_token for
-    # a `ray job submit` to the same machine), so it is not a warning for our commands.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
-        logging.ERROR
-    )
+    quiet_ray_token_notice()
     # Ray Data warns (once) that its progress bars are off: we turned them off on purpose.
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     # Ray Data warns when a task pool's limit is above the blocks it receives: the writer's
@@ -131,6 +127,17 @@ def quiet_command(options: ConsoleOptions) -> None:
         category=UserWarning,
     )
     logging.getLogger("ray").setLevel(library_level)
+
+
+def quiet_ray_token_notice() -> None:
+    """Ray's token-authentication notice off, for the job commands and `raypack serve`.
+
+    A new local cluster (`ray.init()` without an address) turns Ray's token authentication on
+    and says so at WARNING (ray/_private/authentication/authentication_token_setup.py); that
+    is the safe default and needs nothing from the user (the token is in ~/.ray/auth_token
+    for a `ray job submit` to the same machine), so it is not a warning for our commands.
+    That logger's ERRORs still show."""
+    logging.getLogger(TOKEN_AUTH_LOGGER).setLevel(logging.ERROR)
 
 
 def quiet_ray_data(options: ConsoleOptions) -> None:

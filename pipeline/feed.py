@@ -65,8 +65,8 @@ class EngineFeed:
     engine's workers. `torch_threads` is set in the feed thread itself: torch keeps the intra-op
     thread count per thread for MKL (`mkl_set_num_threads_local`), and a fresh thread starts
     from OMP_NUM_THREADS, which Ray sets to 1 in a fractional-CPU actor. `on_finished` is
-    called (in the feed thread) with each request's output as it finishes (the job's progress:
-    pipeline/progress.py).
+    called (in the feed thread) with a prompt's outputs, one per sample, when its last sample
+    finishes (the job's progress counts rows: pipeline/progress.py).
     """
 
     def __init__(
@@ -77,7 +77,7 @@ class EngineFeed:
         *,
         engine_retries: int = 1,
         torch_threads: int | None = None,
-        on_finished: Callable[[RequestOutput], None] | None = None,
+        on_finished: Callable[[list[RequestOutput]], None] | None = None,
     ) -> None:
         self.engine = engine
         self._on_finished = on_finished
@@ -166,10 +166,10 @@ class EngineFeed:
             samples = shard.results.setdefault(out.request_id, {})
             samples[out.sample_index] = out
             shard.num_results += 1
-            if self._on_finished is not None:
-                self._on_finished(out)
             if len(samples) == shard.num_samples[out.request_id]:
                 del self._active[out.request_id]
+                if self._on_finished is not None:
+                    self._on_finished(list(samples.values()))
             if shard.num_results == shard.expected():
                 self._shards.remove(shard)
                 shard.future.set_result(shard.outputs())

@@ -126,8 +126,10 @@ class InferStage(Stage):
         stand-in engine with only `generate` (unit tests) is called directly."""
         if not hasattr(self.engine, "add_prompts"):
             outputs = self.engine.generate(prompts, params, groups)
-            for out in outputs if self.progress else ():
-                self.progress.finished(out)
+            if self.progress is not None:
+                done = iter(outputs)  # `n` per prompt
+                for p in params:
+                    self.progress.finished([next(done) for _ in range(p.n)])
             return outputs
         return self.feed.generate(shard_id, prompts, params, groups)
 

@@ -66,7 +66,7 @@ class PreparedJob:
 
 def prepare(config: JobConfig) -> PreparedJob:
     """Check the job against the input (every file read once, strictly: see
-    `read.check_input`), the model's config and the output folder (writable); ValueError or
+    `read.check_input`), the model's config and the output path (not a file); ValueError or
     FileNotFoundError before any work if something is wrong."""
     from actors.loader import resolve
 
@@ -114,7 +114,9 @@ def prepare(config: JobConfig) -> PreparedJob:
         max_model_len, vocab_size = model_facts(config.engine)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"--model {config.engine.model}: {exc}") from exc
-    check_output(config.output)  # last: it creates the folder
+    # Not written to here: a dry run writes nothing. A job's claim (`claim_output`, next after
+    # this for every run) creates the folder and makes sure a file can be written in it.
+    check_output(config.output, write=False)
     return PreparedJob(
         source=source,
         columns=tuple(columns),

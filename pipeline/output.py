@@ -1,8 +1,8 @@
 """The output folder is one job's alone: checked before any work, locked while a job runs,
 and only the job's own files are ever deleted.
 
-- `check_output` (before any inference): the path is a folder, or can be made one, and a file
-  can be written there.
+- `check_output` (before any inference, when the folder is claimed): the path is a folder, or
+  can be made one, and a file can be written there.
 - `OutputFolder.claim`: the lock file `_raypack.lock` names its holder (host, pid, start
   time); the holder touches it every `HEARTBEAT_S` seconds. A second job on the folder is
   refused (`OutputBusyError`) while the lock is fresh; a lock whose heartbeat is older than
@@ -50,12 +50,14 @@ class OutputBusyError(ValueError):
     """Another job holds the output folder."""
 
 
-def check_output(path: str) -> None:
+def check_output(path: str, write: bool = True) -> None:
     """ValueError naming `--output` unless the folder exists (or is created here) and a file
     can be written in it: a file in its place or a read-only folder fails now, not after the
-    inference."""
+    inference. `write=False` (a dry run, which writes nothing) only refuses a file."""
     if storage.kind(path) == "file":
         raise ValueError(f"--output {path!r} is a file, not a folder")
+    if not write:
+        return
     try:
         storage.makedirs(path)
         probe = storage.join(path, f".raypack-write-check-{os.getpid()}")

@@ -238,7 +238,13 @@ class Processor:
         """The processor's `--retry-errors`: `ds` is a dataset this processor returned (its
         rows possibly changed since, e.g. a fixed override column). Rows whose `error` is null
         pass through as they are, nothing redone; the others lose their generated columns and
-        run again. Every row comes back once (in no particular order, as `union` gives)."""
+        run again. Every row comes back once (in no particular order, as `union` gives).
+
+        When a row can have several samples (`sample_index`), a row with an error in any of
+        its samples runs again once, its other samples dropped: it comes back once per sample
+        index, never beside its old samples. Its samples are told apart from other rows' by
+        `id_column` (ValueError without one, or for an error row whose id is null); `ds` is
+        materialized (it is read three times)."""
         from ray.data.expressions import col
 
         outputs = list(self.config.output_columns)
@@ -249,8 +255,40 @@ class Processor:
                 f"retry_errors takes a dataset this processor returned; it has no {missing} "
                 f"columns. Its columns: {names}"
             )
-        kept = ds.filter(expr=col(stage.ERROR).is_null())
-        failed = ds.filter(expr=col(stage.ERROR).is_not_null()).drop_columns(outputs)
+        if not self.config.with_samples:
+            kept = ds.filter(expr=col(stage.ERROR).is_null())
+            failed = ds.filter(expr=col(stage.ERROR).is_not_null()).drop_columns(outputs)
+            return kept.union(self(failed))
+        key = self.config.id_column
+        if key is None:
+            raise ValueError(
+                "retry_errors on rows with several samples (n > 1) needs the processor's "
+                "id_column: a row whose sample has an error runs again with all its samples, "
+                "and its other samples are found by its id"
+            )
+        ds = ds.materialize()
+        errors = ds.filter(expr=col(stage.ERROR).is_not_null()).select_columns([key])
+        failed_ids = errors.unique(key)
+        if not failed_ids:
+            return ds
+        if None in failed_ids:  # its samples cannot be told from other null-id rows' samples
+            raise ValueError(
+                f"retry_errors: rows with an error have a null {key!r} (the id_column); give "
+                "them ids to retry them"
+            )
+        kept = ds.filter(expr=col(key).not_in(failed_ids))
+        failed = (
+            ds.filter(expr=col(key).is_in(failed_ids))
+            .repartition(1)
+            .map_batches(
+                _first_row_per_key,
+                fn_kwargs={"key": key},
+                batch_format="pyarrow",
+                batch_size=None,
+                num_cpus=self.config.compute.task_num_cpus,
+            )
+            .drop_columns(outputs)
+        )
         return kept.union(self(failed))
 
     def model_facts(self) -> tuple[int, int]:
@@ -308,6 +346,17 @@ def build_processor(
             ray_columns=RayColumnsStage(detokenize=config.detokenize),
         )
     return Processor(config, preprocess=preprocess, postprocess=postprocess)
+
+
+def _first_row_per_key(batch, key: str):  # noqa: ANN001, ANN201 (pyarrow.Table in and out)
+    """A batch holding every row of its keys -> its first row per `key` by sample index:
+    a row's samples -> the row, once."""
+    import pyarrow as pa
+
+    order = batch.sort_by([(key, "ascending"), (stage.SAMPLE_INDEX, "ascending")])
+    keys = order.column(key).to_pylist()
+    first = [i for i, k in enumerate(keys) if i == 0 or k != keys[i - 1]]
+    return order.take(pa.array(first, pa.int64()))
 
 
 def _with_sampling_params(preprocess: Callable[[Row], Row]) -> Callable[[Row], Row]:

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any, TextIO
@@ -86,14 +86,15 @@ class ProgressReporter:
         self._sent = 0.0
         self.flush()  # the engine is ready: the time left is measured from here
 
-    def finished(self, output: Any) -> None:
-        """A row's request finished (an `actors.outputs.RequestOutput`)."""
+    def finished(self, outputs: Sequence[Any]) -> None:
+        """A row's request finished: its outputs (`actors.outputs.RequestOutput`), one per
+        sample (`n`). One row, an error when a sample has one; every sample's tokens."""
         self.add(
             rows=1,
-            errors=int(output.error is not None),
-            prompt_tokens=output.num_prompt_tokens,
-            cached_tokens=output.num_cached_tokens,
-            generated_tokens=len(output.token_ids),
+            errors=int(any(out.error is not None for out in outputs)),
+            prompt_tokens=sum(out.num_prompt_tokens for out in outputs),
+            cached_tokens=sum(out.num_cached_tokens for out in outputs),
+            generated_tokens=sum(len(out.token_ids) for out in outputs),
         )
 
     def add(self, **counts: int) -> None:

@@ -21,6 +21,7 @@ import socket
 import threading
 
 from pipeline.cli import HelpFormatter
+from pipeline.console import quiet_ray_token_notice
 from pipeline.serve.cli import add_app_arguments, serve_config_from_args
 from pipeline.serve.proxy_headers import use_in_proxy
 
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_ray_token_notice()  # a clean start prints no warning (see its docstring)
     args = parse_args(argv, prog)
     try:
         config = serve_config_from_args(args)

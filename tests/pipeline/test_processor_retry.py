@@ -4,6 +4,8 @@ regenerated), every row comes back once, and the retried tokens equal the engine
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -70,6 +72,66 @@ def test_retry_errors_reruns_only_the_error_rows(ray_cluster, tiny_model_dir):
     again = processor.retry_errors(ray.data.from_items(retried)).take_all()
     assert sorted(r["doc"] for r in again) == sorted(ids)
     assert not any(r["error"] for r in again)
+
+
+def _fix_samples(batch: pa.Table) -> pa.Table:
+    """`_fix`, and sample 1 of ok-1 given an error, as the engine gives one sample of a row
+    (e.g. a sample that outgrows the KV cache) while the row's other samples end well."""
+    batch = _fix(batch)
+    hit = pc.and_(pc.equal(batch.column("doc"), "ok-1"), pc.equal(batch.column("sample_index"), 1))
+    error = pc.if_else(hit, pa.scalar("a sample's error"), batch.column("error"))
+    return batch.set_column(batch.schema.get_field_index("error"), "error", error)
+
+
+def test_retry_errors_with_samples_each_row_sample_once(ray_cluster, tiny_model_dir):
+    """n=2: a row with an error in one sample runs again with both, its good sample dropped;
+    every (doc, sample_index) comes back exactly once."""
+    import ray.data
+
+    ids = list(PROMPTS)
+    ds = ray.data.from_arrow(
+        pa.table(
+            {
+                "doc": ids,
+                "prompt": list(PROMPTS.values()),
+                "max_tokens": pa.array([-1 if i in BAD else None for i in ids], pa.int64()),
+            }
+        )
+    )
+    config = ProcessorConfig(
+        engine=EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=16),
+        sampling=SamplingParams(max_tokens=3, n=2),
+        prompt_column="prompt",
+        id_column="doc",
+        override_columns=("max_tokens",),
+        plan=PlanConfig(num_partitions=1),
+        compute=ComputeConfig(num_cpus_per_actor=0.25),
+    )
+    processor = build_processor(config)
+    first = processor(ds).materialize()
+    rows = first.take_all()
+    assert sorted((r["doc"], r["sample_index"]) for r in rows if r["error"]) == [
+        (d, 0) for d in sorted(BAD)
+    ]  # an error before the engine: one row
+
+    retried = processor.retry_errors(first.map_batches(_fix_samples, batch_format="pyarrow"))
+    retried = retried.take_all()
+    assert sorted((r["doc"], r["sample_index"]) for r in retried) == sorted(
+        (d, s) for d in ids for s in (0, 1)
+    )
+    assert not any(r["error"] for r in retried)
+    redone = BAD | {"ok-1"}
+    for r in retried:
+        assert (r["generated_text"] == KEPT) == (r["doc"] not in redone), r
+
+    # An error row without an id: refused, not merged with other null-id rows.
+    nameless = [{**r, "doc": None} if r["doc"] == "bad-1" else r for r in rows]
+    with pytest.raises(ValueError, match=r"rows with an error have a null 'doc'"):
+        processor.retry_errors(ray.data.from_items(nameless))
+
+    without_id = build_processor(replace(config, id_column=None))
+    with pytest.raises(ValueError, match=r"needs the processor's id_column"):
+        without_id.retry_errors(first)
 
 
 def test_retry_errors_needs_a_processor_output(ray_cluster, tiny_model_dir):

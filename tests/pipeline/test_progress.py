@@ -9,13 +9,14 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from pipeline.commands import generate, snippets
 from pipeline.console import HARMLESS_STDERR
 from pipeline.help_groups import COMMON_TITLE
-from pipeline.progress import Counts, Progress, ProgressDisplay
+from pipeline.progress import Counts, Progress, ProgressBoard, ProgressDisplay, ProgressReporter
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 from tests.pipeline.test_commands import ROOT, raypack
 
@@ -81,6 +82,45 @@ def test_counts_add_up_with_the_earliest_start() -> None:
     total.add(Counts(rows=3, errors=1, started=10.0))
     total.add(Counts(rows=1))  # a reporter that sent before its start (never: still summed)
     assert (total.rows, total.errors, total.generated_tokens, total.started) == (6, 1, 5, 10.0)
+
+
+class LocalBoard:
+    """The board's actor handle in this process: `report.remote(...)` calls the board."""
+
+    def __init__(self) -> None:
+        self.board = ProgressBoard()
+        self.report = self
+
+    def remote(self, reporter: str, counts: Counts) -> None:
+        self.board.report(reporter, counts)
+
+
+def test_a_row_with_several_samples_counts_once(tiny_model_dir: Path) -> None:
+    """The engine feed's finished rows reach the reporter as rows: n=3 samples are one row
+    (and their tokens all count)."""
+    from actors import LLMEngine
+    from actors.config import EngineConfig, SamplingParams
+    from pipeline.feed import EngineFeed
+
+    config = EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=16)
+    engine = LLMEngine(config)
+    board = LocalBoard()
+    reporter = ProgressReporter(board, every_s=0.0)
+    feed = EngineFeed(
+        engine, lambda: LLMEngine(config), lambda e: None, on_finished=reporter.finished
+    )
+    prompts = [engine.tokenizer.encode(t) for t in ("Tea grows", "Coffee is", "Rain falls")]
+    params = [
+        SamplingParams(max_tokens=4, ignore_eos=True, n=3),
+        SamplingParams(max_tokens=4, ignore_eos=True),
+        SamplingParams(max_tokens=4, ignore_eos=True, n=2),
+    ]
+    outputs = feed.generate("s", prompts, params, [])
+    reporter.flush()
+    total = board.board.total()
+    assert len(outputs) == 6
+    assert (total.rows, total.errors) == (3, 0)
+    assert total.generated_tokens == sum(len(o.token_ids) for o in outputs) == 24
 
 
 @pytest.mark.parametrize(

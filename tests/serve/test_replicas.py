@@ -23,6 +23,7 @@ import yaml
 
 from actors.config import EngineConfig
 from pipeline.commands.serve import main as serve_main
+from pipeline.console import TOKEN_AUTH_LOGGER
 from pipeline.serve import ServeConfig, build_app
 from pipeline.serve.app import replica_options
 from pipeline.serve.replicas import REPLICA_HEADER
@@ -134,6 +135,25 @@ def test_command_exits_2_naming_the_flag(
     with caplog.at_level(logging.ERROR, logger="raypack.serve"):
         assert serve_main(["--model", "m", *flags]) == 2  # before any Ray
     assert named in caplog.text
+
+
+def test_command_quiets_rays_token_auth_notice(caplog: pytest.LogCaptureFixture) -> None:
+    """A clean start prints no warning: Ray's notice that a new local cluster has token
+    authentication on (the safe default: pipeline/console.py) is not shown, from Ray's own
+    function; the command sets this up first, so a bad flag's exit shows it too."""
+    from ray._private.authentication import authentication_token_setup
+
+    auth = logging.getLogger(TOKEN_AUTH_LOGGER)
+    level = auth.level
+    auth.setLevel(logging.NOTSET)  # as in a fresh process (other tests' commands set it)
+    try:
+        assert serve_main(["--model", "m", "--min-replicas", "2"]) == 2  # before any Ray
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            authentication_token_setup._warn_token_auth_enabled()
+        assert "Token authentication" not in caplog.text
+    finally:
+        auth.setLevel(level)
 
 
 # --- two live replicas ------------------------------------------------------------------------
