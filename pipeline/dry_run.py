@@ -107,7 +107,13 @@ class DryRun:
                 f"ms per sequence ({cal.decode_step_s(work.batch()) * 1000:.0f} ms at "
                 f"{work.batch()}). Assumes the other rows' outputs as long as the sample's, "
                 "each actor as fast as this process (actors sharing one machine's cores are "
-                "slower), and leaves out the job's start (Ray, actors, model load)"
+                "slower)"
+            )
+            lines.append(
+                f"the job: about {_duration(seconds + cal.job_start_s())} with its start "
+                f"(about {cal.job_start_s():.0f} s: its stages and engine actors starting, "
+                f"measured once on a 2-core box, and the model load, {cal.load_s:.1f} s here), "
+                "as its summary counts it; Ray's own start comes before"
             )
         if self.picture:
             lines.append(f"the plan's picture: {self.picture}")

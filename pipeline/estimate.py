@@ -35,6 +35,11 @@ from dataclasses import dataclass
 SAMPLE_ROWS = 8  # rows generated to completion for the output lengths
 SAMPLE_PROMPT_TOKENS = 4096  # ... as long as their prompts stay within this (at least one row)
 CALIBRATION_DECODE_STEPS = 3  # decode steps timed at the job's batch size
+# The job's own start before an engine is loaded (its Ray Data stages read, tokenize and plan,
+# an engine actor starts), as its summary's clock counts it (not Ray's start): 6.1 s for the
+# bundled snippet sample on the 2-core box (2026-11-26, docs/benchmarks-job.md). A measured
+# figure, not a calibration: a dry run starts no Ray to time it.
+JOB_START_S = 6.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,11 @@ class Calibration:
     mean_output_tokens: float  # per sequence of the sampled rows, stops and EOS included
     max_output_tokens: int
     seconds: float  # the calibration's own time (model load included)
+    load_s: float = 0.0  # the engine's build (model load) here
+
+    def job_start_s(self) -> float:
+        """The job's time before its engines run: `JOB_START_S` + this model load."""
+        return JOB_START_S + self.load_s
 
     def decode_step_s(self, batch: int) -> float:
         """One decode step of `batch` sequences."""
@@ -143,6 +153,7 @@ def calibrate(engine_config, prompts: list[list[int]], params: list, batch: int)
 
     started = time.perf_counter()
     engine = LLMEngine(engine_config)
+    load_s = time.perf_counter() - started
     # A first step pays one-time costs (torch's first forward, the attention kernel's load):
     # 4x the prefill's time in a fresh process here. Paid before anything is timed.
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2))
@@ -170,6 +181,7 @@ def calibrate(engine_config, prompts: list[list[int]], params: list, batch: int)
         mean_output_tokens=statistics.fmean(lengths) if lengths else 0.0,
         max_output_tokens=max(lengths, default=0),
         seconds=time.perf_counter() - started,
+        load_s=load_s,
     )
 
 

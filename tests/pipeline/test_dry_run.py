@@ -16,7 +16,7 @@ import pytest
 from pipeline.commands import generate
 from pipeline.console import LOG_LEVEL_ENV, OURS
 from pipeline.dry_run import DryRun
-from pipeline.estimate import Calibration, estimate, fit_step_cost, sample_rows
+from pipeline.estimate import JOB_START_S, Calibration, estimate, fit_step_cost, sample_rows
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 
 
@@ -111,7 +111,7 @@ def test_dry_run_counts_rows_already_done(capsys, prompt_table, tiny_model_dir, 
 def calibration(**changes) -> Calibration:
     figures = dict(
         prefill_tokens_per_s=1000.0, step_overhead_s=0.02, step_per_sequence_s=0.001,
-        sampled_rows=8, mean_output_tokens=11.0, max_output_tokens=31, seconds=3.0,
+        sampled_rows=8, mean_output_tokens=11.0, max_output_tokens=31, seconds=3.0, load_s=0.8,
     )  # fmt: skip
     return Calibration(**{**figures, **changes})
 
@@ -140,6 +140,9 @@ def test_few_rows_decode_as_one_batch_until_the_longest_ends() -> None:
     assert "from 3 s of calibration here on 8 sampled rows" in out
     assert "they generated 11.0 tokens on average (at most 31, --max-tokens 48)" in out
     assert "a decode step 20 ms + 1.0 ms per sequence (68 ms at 48)" in out
+    # The job's summary counts its start too: JOB_START_S and the model load measured here.
+    assert dry.calibration.job_start_s() == pytest.approx(JOB_START_S + 0.8)
+    assert f"the job: about 10 s with its start (about {JOB_START_S + 0.8:.0f} s" in out
 
 
 def test_many_rows_fill_the_batch_cap_then_drain() -> None:
