@@ -3,11 +3,12 @@ engine in this process, and the arithmetic that turns it and the plan into secon
 
 Calibration, with the job's engine built here (no Ray, no actor):
 
-    warm-up step -> prefill of a few of the input's rows, spread over it (prompt tokens/s)
+    warm-up step -> prefill of a few of the input's rows, spread over it (prompt tokens/s:
+       the median of its full steps)
     -> those rows generated to completion with their own sampling (stops, EOS, max_tokens):
        their output lengths, and the time of each decode step at the sizes their batch
-       shrinks through -> a few decode steps at the job's batch size (one prompt, a prefix
-       group of that many copies, so its prefill costs next to nothing)
+       shrinks through -> a few decode steps at the job's batch size (the sampled prompts
+       again, cycled to that many: their cached blocks make the prefill next to nothing)
     -> a decode step's cost as a line in its batch size: overhead + per-sequence x batch
 
 The estimate, per engine actor (its share of the rows and of the prompt tokens to compute):
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 SAMPLE_ROWS = 8  # rows generated to completion for the output lengths
 SAMPLE_PROMPT_TOKENS = 4096  # ... as long as their prompts stay within this (at least one row)
-CALIBRATION_DECODE_STEPS = 3  # decode steps timed at the job's batch size
+CALIBRATION_DECODE_STEPS = 4  # decode steps timed at the job's batch size
 # The job's own start before an engine is loaded (its Ray Data stages read, tokenize and plan,
 # an engine actor starts), as its summary's clock counts it (not Ray's start): 6.1 s for the
 # bundled snippet sample on the 2-core box (2026-11-26, docs/benchmarks-job.md). A measured
@@ -149,7 +150,6 @@ def calibrate(engine_config, prompts: list[list[int]], params: list, batch: int)
     the module docstring's calibration, `batch` the job's decode batch."""
     from actors import LLMEngine
     from actors.config import SamplingParams
-    from packing.prefix import PrefixGroup
 
     started = time.perf_counter()
     engine = LLMEngine(engine_config)
@@ -158,23 +158,23 @@ def calibrate(engine_config, prompts: list[list[int]], params: list, batch: int)
     # 4x the prefill's time in a fresh process here. Paid before anything is timed.
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2))
 
-    before = engine.stats.num_scheduled_tokens
-    t0 = time.perf_counter()
-    engine.generate(prompts, SamplingParams(max_tokens=1))
-    prefill_s = time.perf_counter() - t0
-    computed = engine.stats.num_scheduled_tokens - before
+    prefill: list[tuple[int, float]] = []
+    _run(engine, prompts, [SamplingParams(max_tokens=1)] * len(prompts), None, [], prefill)
 
     # Their prompts' full blocks are cached now: this is (nearly) all decode.
     steps: list[tuple[int, float]] = []
     lengths = _run(engine, prompts, params, None, steps)
     if batch > len(lengths):
-        prompt = sorted(prompts, key=len)[len(prompts) // 2]
+        # The job's batch of the sampled prompts over again: their full blocks are cached, so
+        # only each copy's last partial block is computed; no prefix group, so each sequence
+        # reads its own context as a row of the job does (a group's shared read would make
+        # the step look cheaper than the job's).
+        copies = [prompts[i % len(prompts)] for i in range(batch)]
         fixed = SamplingParams(max_tokens=CALIBRATION_DECODE_STEPS + 1, ignore_eos=True)
-        group = PrefixGroup(len(prompt) - 1, tuple(range(batch)))
-        _run(engine, [prompt] * batch, [fixed] * batch, [group], steps)
+        _run(engine, copies, [fixed] * batch, None, steps)
     overhead, per_sequence = fit_step_cost(steps)
     return Calibration(
-        prefill_tokens_per_s=computed / max(prefill_s, 1e-9),
+        prefill_tokens_per_s=prefill_rate(prefill, engine_config.max_num_batched_tokens),
         step_overhead_s=overhead,
         step_per_sequence_s=per_sequence,
         sampled_rows=len(prompts),
@@ -185,9 +185,20 @@ def calibrate(engine_config, prompts: list[list[int]], params: list, batch: int)
     )
 
 
-def _run(engine, prompts, params, groups, steps: list[tuple[int, float]]) -> list[int]:  # noqa: ANN001
+def prefill_rate(steps: list[tuple[int, float]], budget: int) -> float:
+    """Prompt tokens per second: the median of the steps that computed at least half the
+    step's `budget` (one slow step, a stray one-time cost or a neighbour's burst, does not
+    set it), else of all the steps' tokens over their time."""
+    full = [tokens / seconds for tokens, seconds in steps if tokens * 2 >= budget and seconds]
+    if full:
+        return statistics.median(full)
+    return sum(t for t, _ in steps) / max(sum(s for _, s in steps), 1e-9)
+
+
+def _run(engine, prompts, params, groups, steps, other=None) -> list[int]:  # noqa: ANN001
     """Run `prompts` to completion step by step; append (batch, seconds) of each step that only
-    decoded to `steps`; the finished sequences' output lengths."""
+    decoded to `steps`, (tokens, seconds) of the others to `other`; the finished sequences'
+    output lengths."""
     engine.add_prompts(prompts, params, groups)
     lengths: list[int] = []
     while engine.has_unfinished():
@@ -197,5 +208,7 @@ def _run(engine, prompts, params, groups, steps: list[tuple[int, float]]) -> lis
         tokens = engine.stats.num_scheduled_tokens - before
         if tokens and tokens == len(outputs):  # one token for each sequence: decodes only
             steps.append((tokens, elapsed))
+        elif tokens and other is not None:
+            other.append((tokens, elapsed))
         lengths.extend(len(out.token_ids) for out in outputs if out.finished)
     return lengths

@@ -16,7 +16,14 @@ import pytest
 from pipeline.commands import generate
 from pipeline.console import LOG_LEVEL_ENV, OURS
 from pipeline.dry_run import DryRun
-from pipeline.estimate import JOB_START_S, Calibration, estimate, fit_step_cost, sample_rows
+from pipeline.estimate import (
+    JOB_START_S,
+    Calibration,
+    estimate,
+    fit_step_cost,
+    prefill_rate,
+    sample_rows,
+)
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 
 
@@ -186,3 +193,11 @@ def test_the_sample_spreads_over_the_rows_within_its_token_cap() -> None:
     # Long prompts: as many as fit (the first always).
     assert sample_rows(100, [1500] * 100) == [0, 12]
     assert sample_rows(100, [9000] * 100) == [0]
+
+
+def test_the_prefill_rate_is_the_median_of_full_steps() -> None:
+    # 512-token steps at ~1,700 tokens/s, one slowed 4x; the last short step left out.
+    steps = [(512, 0.30), (512, 1.20), (512, 0.31), (512, 0.29), (512, 0.30), (100, 0.2)]
+    assert prefill_rate(steps, 512) == pytest.approx(512 / 0.30)
+    # No step near the budget (a short sample): all of them.
+    assert prefill_rate([(100, 0.1), (60, 0.1)], 512) == pytest.approx(800)
