@@ -11,20 +11,16 @@ the job's (one shuffle partition: with several, rows that share a prefix key sti
 one, so the first-level groups are the same). Nothing is written: not the output folder's
 lock or lineage, not a data file; the picture goes to a temporary file.
 
-The estimate: a short prefill (about `CALIBRATION_PROMPT_TOKENS` of the input's own prompts)
-gives the engine's prompt tokens per second; a batch of the job's size decoding
-`CALIBRATION_DECODE_STEPS` steps gives the time of one decode step. The engine time is then
-(prompt tokens to compute) / that rate + (decode steps) x that time, with decode steps =
-ceil(rows per actor / sequences at once) x --max-tokens: an upper bound on the decode, since
-a stop string or EOS ends a row sooner.
+The estimate (pipeline/estimate.py): a few of the input's rows generated to completion by the
+job's engine in this process give the output length rows really reach (stops, EOS) and the
+engine's speed here (prompt tokens per second, a decode step's cost by its batch size); the
+engine time is then the plan's prompt tokens to compute at that speed plus the decode steps the
+engine's batch limits (max_num_seqs, the step's token budget) make of those lengths.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 import tempfile
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -33,19 +29,7 @@ import pyarrow.compute as pc
 
 from pipeline import stage, storage
 from pipeline.config import JobConfig
-
-CALIBRATION_PROMPT_TOKENS = 512  # prompt tokens of the prefill calibration (about one step)
-CALIBRATION_DECODE_STEPS = 3  # decode steps timed at the job's batch size
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """The engine's speed on this machine, measured in this process."""
-
-    prefill_tokens_per_s: float
-    decode_step_s: float  # one decode step of `batch` sequences
-    batch: int
-    seconds: float  # the calibration's own time (model load included)
+from pipeline.estimate import Calibration, Workload, calibrate, estimate, sample_rows
 
 
 @dataclass(frozen=True)
@@ -63,7 +47,10 @@ class DryRun:
     shared_groups: int
     max_share_degree: int
     max_tokens: int
+    samples_per_row: int  # the job's n
     num_actors: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
     calibration: Calibration | None
     picture: str | None
 
@@ -72,16 +59,21 @@ class DryRun:
         """Prompt tokens the engines compute (shared prefixes once)."""
         return self.prompt_tokens - self.saved_tokens
 
+    def workload(self) -> Workload:
+        """What the engines get."""
+        return Workload(
+            sequences=(self.rows - self.error_rows) * self.samples_per_row,
+            tokens_to_compute=self.tokens_to_compute,
+            num_actors=self.num_actors,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
+
     def engine_seconds(self) -> float | None:
-        """The estimated engine time (see the module docstring), or None uncalibrated."""
-        cal = self.calibration
-        runnable = self.rows - self.error_rows
-        if cal is None or runnable == 0:
+        """The estimated engine time (pipeline/estimate.py), or None uncalibrated."""
+        if self.calibration is None or self.rows == self.error_rows:
             return None
-        per_actor = math.ceil(runnable / self.num_actors)
-        waves = math.ceil(per_actor / cal.batch)
-        prefill = self.tokens_to_compute / self.num_actors / cal.prefill_tokens_per_s
-        return prefill + waves * self.max_tokens * cal.decode_step_s
+        return estimate(self.workload(), self.calibration).seconds
 
     def text(self, output: str) -> str:
         """The printout."""
@@ -101,14 +93,27 @@ class DryRun:
         seconds = self.engine_seconds()
         cal = self.calibration
         if seconds is not None and cal is not None:
+            work = self.workload()
+            parts = estimate(work, cal)
             lines.append(
                 f"engine time: about {_duration(seconds)} on {self.num_actors} engine "
-                f"actor(s), from {cal.seconds:.0f} s of calibration here: prefill "
-                f"{cal.prefill_tokens_per_s:.0f} prompt tokens/s, a decode step of {cal.batch} "
-                f"sequences {cal.decode_step_s * 1000:.0f} ms. Assumes every row generates "
-                f"--max-tokens {self.max_tokens} (a stop or EOS ends rows sooner), each actor "
-                "as fast as this process (actors sharing one machine's cores are slower), "
-                "and leaves out the job's start (Ray, actors, model load)"
+                f"actor(s) (prefill {parts.prefill_s:.0f} s, decode {parts.decode_s:.0f} s in "
+                f"{parts.decode_steps} steps of up to {work.batch()} sequences). An estimate "
+                f"from {cal.seconds:.0f} s of calibration here on {cal.sampled_rows} sampled "
+                f"rows: they generated {cal.mean_output_tokens:.1f} tokens on average (at most "
+                f"{cal.max_output_tokens}, --max-tokens {self.max_tokens}); prefill "
+                f"{cal.prefill_tokens_per_s:.0f} prompt tokens/s; a decode step "
+                f"{cal.step_overhead_s * 1000:.0f} ms + {cal.step_per_sequence_s * 1000:.1f} "
+                f"ms per sequence ({cal.decode_step_s(work.batch()) * 1000:.0f} ms at "
+                f"{work.batch()}). Assumes the other rows' outputs as long as the sample's, "
+                "each actor as fast as this process (actors sharing one machine's cores are "
+                "slower)"
+            )
+            lines.append(
+                f"the job: about {_duration(seconds + cal.job_start_s())} with its start "
+                f"(about {cal.job_start_s():.0f} s: its stages and engine actors starting, "
+                f"measured once on a 2-core box, and the model load, {cal.load_s:.1f} s here), "
+                "as its summary counts it; Ray's own start comes before"
             )
         if self.picture:
             lines.append(f"the plan's picture: {self.picture}")
@@ -139,8 +144,7 @@ def dry_run(config: JobConfig, prepared, calibrate: bool = True) -> DryRun:  # n
     prompts = ok.column(stage.PROMPT_TOKEN_IDS).to_pylist()
     calibration = None
     if calibrate and prompts:
-        batch = min(math.ceil(len(prompts) / config.compute.num_actors), config.engine.max_num_seqs)
-        calibration = calibrate_engine(config, prompts, batch)
+        calibration = calibrate_sample(config, ok, prompts)
     return DryRun(
         input_rows=table.num_rows,
         done_rows=table.num_rows - ids.num_rows,
@@ -153,7 +157,10 @@ def dry_run(config: JobConfig, prepared, calibrate: bool = True) -> DryRun:  # n
         shared_groups=sum(n for d, n in stats.share_degrees.items() if d > 1),
         max_share_degree=max(stats.share_degrees, default=0),
         max_tokens=config.sampling.max_tokens,
+        samples_per_row=config.sampling.n,
         num_actors=config.compute.num_actors,
+        max_num_seqs=config.engine.max_num_seqs,
+        max_num_batched_tokens=config.engine.max_num_batched_tokens,
         calibration=calibration,
         picture=draw_plan(ok, shards, stats),
     )
@@ -209,50 +216,24 @@ def done_ids(output: str) -> set[str]:
     return ids
 
 
-def calibrate_engine(config: JobConfig, prompts: list[list[int]], batch: int) -> Calibration:
-    """Time a short prefill of the input's first prompts and `CALIBRATION_DECODE_STEPS` decode
-    steps of `batch` sequences (one of those prompts, `batch` times in a prefix group, so its
-    prefill is not computed again), with the job's engine in this process."""
-    from actors import LLMEngine
-    from actors.config import SamplingParams
-    from packing.prefix import PrefixGroup
+def calibrate_sample(config: JobConfig, ok: pa.Table, prompts: list[list[int]]) -> Calibration:
+    """Calibrate the job's engine (pipeline/estimate.py) on a few of the rows that reach it,
+    each with its own sampling (the job's, with the row's overrides)."""
+    import json
 
-    started = time.perf_counter()
-    engine = LLMEngine(config.engine)
-    # A first step pays one-time costs (torch's first forward, the attention kernel's load):
-    # 4x the prefill's time in a fresh process here. Paid before anything is timed.
-    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2))
-    chosen: list[list[int]] = []
-    for prompt in prompts:
-        if chosen and sum(map(len, chosen)) + len(prompt) > CALIBRATION_PROMPT_TOKENS:
-            break
-        chosen.append(prompt)
-    before = engine.stats.num_scheduled_tokens
-    t0 = time.perf_counter()
-    engine.generate(chosen, SamplingParams(max_tokens=1))
-    prefill_s = time.perf_counter() - t0
-    computed = engine.stats.num_scheduled_tokens - before
+    from pipeline.prompts import merge_sampling
 
-    # One of the prompts just computed: its blocks are in the prefix cache, so the group's
-    # prefix costs next to nothing and only the decode steps are timed.
-    prompt = sorted(chosen, key=len)[len(chosen) // 2]
-    params = SamplingParams(max_tokens=CALIBRATION_DECODE_STEPS + 1, ignore_eos=True)
-    group = PrefixGroup(len(prompt) - 1, tuple(range(batch)))
-    engine.add_prompts([prompt] * batch, params, [group])
-    decode_steps: list[float] = []
-    while engine.has_unfinished():
-        before, t0 = engine.stats.num_scheduled_tokens, time.perf_counter()
-        engine.step()
-        elapsed = time.perf_counter() - t0
-        if engine.stats.num_scheduled_tokens - before == batch:  # every sequence decodes
-            decode_steps.append(elapsed)
-    step_s = statistics.median(decode_steps) if decode_steps else elapsed
-    return Calibration(
-        prefill_tokens_per_s=computed / max(prefill_s, 1e-9),
-        decode_step_s=step_s,
-        batch=batch,
-        seconds=time.perf_counter() - started,
+    chosen = sample_rows(len(prompts), [len(p) for p in prompts])
+    overrides = ok.column(stage.SAMPLING).to_pylist()
+    params = [merge_sampling(config.sampling, json.loads(overrides[i] or "{}")) for i in chosen]
+    work = Workload(
+        sequences=len(prompts) * config.sampling.n,
+        tokens_to_compute=0,
+        num_actors=config.compute.num_actors,
+        max_num_seqs=config.engine.max_num_seqs,
+        max_num_batched_tokens=config.engine.max_num_batched_tokens,
     )
+    return calibrate(config.engine, [prompts[i] for i in chosen], params, work.batch())
 
 
 def draw_plan(ok: pa.Table, shards: pa.Table, stats) -> str | None:  # noqa: ANN001 (PlanStats)
