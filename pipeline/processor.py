@@ -338,8 +338,30 @@ class Processor:
                 override_columns=config.override_columns,
                 key_block_size=config.plan.key_block_size,
                 trust_remote_code=config.engine.trust_remote_code,
+                tokenizer=self._driver_tokenizer(),
             ),
         )
+
+    def _driver_tokenizer(self) -> Any:
+        """The tokenizer, loaded once here on the driver for the tokenizer actors (pickled to
+        them), or None for them to load it themselves. Loading it in a fresh actor costs ~2 s
+        on a 2-core machine, most of it transformers importing torch and torch._dynamo through
+        AutoConfig; unpickling it there costs ~0.7 s and imports no torch. The driver has
+        imported transformers already (`model_facts`), so here it costs ~0.15 s. A
+        trust_remote_code tokenizer (its class from the model's own code) and one that does
+        not pickle are loaded by the actors, as before."""
+        if self.config.engine.trust_remote_code:
+            return None
+        import pickle
+
+        from actors.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(self.resolved_model())
+        try:
+            pickle.dumps(tokenizer)
+        except Exception:  # noqa: BLE001 (any tokenizer that cannot travel: the actors load it)
+            return None
+        return tokenizer
 
 
 def build_processor(
