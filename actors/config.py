@@ -18,6 +18,9 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # How attention runs (`actors.attention`); "auto" picks from the device and dtype.
 AttentionBackendName = Literal["auto", "cpu_kernel", "sdpa", "varlen"]
 ATTENTION_BACKENDS = ("auto", "cpu_kernel", "sdpa", "varlen")
+# How the model's linear layers run (`actors.cpu_linear`); "auto": onednn on CPU.
+LinearBackendName = Literal["auto", "onednn", "torch"]
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -62,6 +65,11 @@ class EngineConfig:
     # ... for a shared run whose members x keys reach this; smaller runs cost more apart
     # (one more call and merge per layer) than read by each member (docs/benchmarks.md)
     shared_prefix_min_keys: int = 8192
+    # "onednn": the model's linear layers through oneDNN with weights packed once (CPU,
+    # float32 or bfloat16; 2.3x torch's float32 matmul on an AMD EPYC, a packed copy of the
+    # weights in memory); "torch": torch's F.linear as the model has it; "auto": onednn
+    # where it applies, else torch (actors/cpu_linear.py)
+    linear_backend: LinearBackendName = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # "auto": the model's generation_config.json sampling values (temperature, top_p, top_k,
     # min_p, repetition_penalty) are the defaults of requests that do not set them, as vLLM's
@@ -124,6 +132,10 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(
+                f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}"
             )
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(

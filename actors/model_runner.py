@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from actors import attention
+from actors import attention, cpu_linear
 from actors.config import EngineConfig
 from actors.kv_cache import allocate_kv_tensors
 from actors.request import Request
@@ -79,6 +79,11 @@ class ModelRunner:
         attention.register()
         model.set_attn_implementation(attention.ATTN_NAME)
         self.rotary = _request_rotary(model)
+        self.linear_backend = cpu_linear.resolve(config.linear_backend, self.device, self.dtype)
+        if self.linear_backend == "onednn":
+            cpu_linear.pack_linears(model)
+        else:  # a model an earlier engine packed runs torch's linear again
+            cpu_linear.unpack_linears(model)
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """Lay the step out as one flat sequence (decodes first; `actors.step_layout`)."""

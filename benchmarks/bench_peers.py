@@ -90,13 +90,15 @@ def run_vllm(prompts: list[list[int]], args: argparse.Namespace, work: Path) -> 
     return result
 
 
-def run_engine(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+def run_engine(
+    prompts: list[list[int]], args: argparse.Namespace, linear_backend: str = "auto"
+) -> dict[str, Any]:
     """Our engine in this process: load seconds, each `generate` call's seconds, outputs."""
     import torch
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    engine = LLMEngine(EngineConfig(dtype=args.dtype))
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, linear_backend=linear_backend))  # type: ignore[arg-type]
     loaded = time.perf_counter()
     params = SamplingParams(max_tokens=args.max_tokens)
     engine.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up (kernel, allocator)
@@ -188,6 +190,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--doc-tokens", type=int, default=1000, help="prefix set: doc length")
     parser.add_argument("--questions", type=int, default=16, help="prefix set: per document")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--linear-backends",
+        default="auto",
+        help="the engine mode once per EngineConfig.linear_backend (auto, onednn, torch)",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--shard-size", type=int, default=64, help="the job's rows per shard")
@@ -219,7 +226,9 @@ def main(argv: list[str] | None = None) -> None:
             if "vllm" in modes:
                 runs["vllm"] = run_vllm(prompts, args, work)
             if "engine" in modes:
-                runs["engine"] = run_engine(prompts, args)
+                for backend in args.linear_backends.split(","):
+                    key = "engine" if backend == "auto" else f"engine-{backend}"
+                    runs[key] = run_engine(prompts, args, backend)
             if "job" in modes:
                 runs["job"] = run_jobs(rows, args, work)
             reference = runs["vllm"]["outputs"] if "vllm" in runs else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, get_args
 
-from actors.config import DTYPE_NAMES, EngineConfig, PlacementStrategy
+from actors.config import DTYPE_NAMES, LINEAR_BACKENDS, EngineConfig, PlacementStrategy
 
 # The EngineConfig fields a flag sets, by argparse dest (the flag is --dest-with-dashes).
 _FIELDS = (
@@ -30,6 +30,7 @@ _FIELDS = (
     "placement_strategy",
     "worker_num_cpus",
     "generation_config",
+    "linear_backend",
 )
 
 
@@ -54,6 +55,13 @@ def add_engine_flags(
         default=d.dtype,
         help="weights' and KV cache's type; auto: bfloat16 on GPUs and on CPUs that compute "
         "it natively (AVX-512 BF16, AMX), else float32 (exact against HF's float32)",
+    )
+    g.add_argument(
+        "--linear-backend",
+        choices=list(LINEAR_BACKENDS),
+        default=d.linear_backend,
+        help="the model's linear layers: onednn (CPU, weights packed once; a copy of them in "
+        "memory), torch (F.linear), auto: onednn on CPU in float32/bfloat16, else torch",
     )
     g.add_argument("--max-model-len", type=int, help="context length cap (default: the model's)")
     g.add_argument(

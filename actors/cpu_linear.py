@@ -1,0 +1,87 @@
+"""The model's linear layers through oneDNN with prepacked weights, on CPU.
+
+Why by hand: torch's `F.linear` runs float32 on CPU through MKL's sgemm, which on AMD CPUs
+takes its AVX2 path even where the CPU has AVX-512: measured on an AMD EPYC (AVX-512, 2 cores)
+~200 GFLOP/s against ~490 GFLOP/s for oneDNN's packed linear at the engine's step shapes
+(docs/benchmarks-peers.md), and 2.3x faster whole generation. torch ships that oneDNN op
+(`torch.ops.mkldnn._linear_pointwise`, with its weight packed once by
+`torch.ops.mkldnn._reorder_linear_weight`: what inductor's freezing pass emits), and vLLM's
+CPU backend does the same through its own oneDNN handle. bfloat16 already goes to oneDNN in
+torch, but repacks the weight every call (packed: ~5-25% less matmul time).
+
+The packed weights are a copy (the model's own parameters stay as they were, so its
+`state_dict` and tied embeddings are untouched): a float32 model holds its linear weights
+twice. Rounding differs from MKL's as one GEMM's from another's (sums in another order); the
+engine's greedy float32 tokens still match Hugging Face `generate` (tests/actors).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# The batch size oneDNN picks its packed layout for: the engine's decode batches (tens to a
+# few hundred rows); any other batch size runs on the same layout.
+BATCH_HINT = 128
+
+
+def onednn_available() -> bool:
+    """torch was built with oneDNN and has the packed linear ops."""
+    built = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+    return built and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def resolve(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`EngineConfig.linear_backend` for this engine: "onednn" or "torch"."""
+    if choice == "torch":
+        return "torch"
+    usable = device.type == "cpu" and dtype in PACKED_DTYPES and onednn_available()
+    if choice == "onednn" and not usable:
+        raise ValueError(
+            f"linear_backend='onednn' needs a CPU model in float32 or bfloat16 and torch "
+            f"with oneDNN; got {device.type} {dtype}"
+        )
+    return "onednn" if usable else "torch"
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Route every `nn.Linear` of `model` through oneDNN with its weight packed once; returns
+    how many. A layer already packed is left as it is (an engine built twice on one model)."""
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or hasattr(module, "_raypack_packed"):
+            continue
+        weight = module.weight.detach()
+        if weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu":
+            continue
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        bias = None if module.bias is None else module.bias.detach()
+        module._raypack_packed = packed
+        module.forward = _packed_forward(packed, bias)  # type: ignore[method-assign]
+        count += 1
+    logger.info("%d linear layers run through oneDNN with packed weights", count)
+    return count
+
+
+def unpack_linears(model: torch.nn.Module) -> None:
+    """Undo `pack_linears`: every linear layer back on its own forward (torch's F.linear)."""
+    for module in model.modules():
+        if hasattr(module, "_raypack_packed"):
+            del module._raypack_packed
+            del module.forward
+
+
+def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None) -> Callable[..., Any]:
+    op = torch.ops.mkldnn._linear_pointwise
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = op(x, packed, bias, "none", [], "")
+        return out
+
+    return forward

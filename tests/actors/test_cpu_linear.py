@@ -1,0 +1,62 @@
+"""The linear layers through oneDNN with packed weights (actors/cpu_linear.py): the same
+results as torch's F.linear up to rounding, the model's own parameters untouched, greedy
+tokens as Hugging Face's on both backends, and the choice undone for a later engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors import EngineConfig, SamplingParams, cpu_linear
+from tests.actors.reference import assert_greedy_match, hf_greedy
+from tests.tiny_models import tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not cpu_linear.onednn_available(), reason="torch was built without oneDNN"
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linears_compute_what_f_linear_does(dtype) -> None:
+    model = tiny_model("llama").to(dtype)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 5, linears[0].in_features).to(dtype)
+    expected = [torch.nn.functional.linear(x, m.weight, m.bias) for m in linears[:1]]
+    assert cpu_linear.pack_linears(model) == len(linears)
+    assert cpu_linear.pack_linears(model) == 0  # packed once
+    got = linears[0](x)
+    assert got.shape == expected[0].shape and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected[0], rtol=tol, atol=tol)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    cpu_linear.unpack_linears(model)
+    assert torch.equal(linears[0](x), expected[0])
+
+
+@pytest.mark.parametrize("backend", ["onednn", "torch"])
+def test_greedy_matches_hf_on_either_linear_backend(
+    make_engine, tokenizer, reference_models, backend
+) -> None:
+    prompts = ["Hello there, how are you doing today?", "The capital of France is", "x"]
+    engine = make_engine("llama", num_kv_blocks=64, chunk_size=7, linear_backend=backend)
+    assert engine.runner.linear_backend == backend
+    packed = [hasattr(m, "_raypack_packed") for m in engine.model.modules()]
+    assert any(packed) == (backend == "onednn")
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12))
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        expected = hf_greedy(reference_models["llama"], ids, 12)
+        assert_greedy_match(reference_models["llama"], ids, out.token_ids, expected)
+
+
+def test_auto_picks_onednn_on_cpu_and_a_bad_name_is_refused() -> None:
+    cpu = torch.device("cpu")
+    assert cpu_linear.resolve("auto", cpu, torch.float32) == "onednn"
+    assert cpu_linear.resolve("auto", cpu, torch.float16) == "torch"
+    assert cpu_linear.resolve("torch", cpu, torch.float32) == "torch"
+    with pytest.raises(ValueError, match="onednn"):
+        cpu_linear.resolve("onednn", torch.device("meta"), torch.float32)
+    with pytest.raises(ValueError, match="linear_backend"):
+        EngineConfig(linear_backend="mkl")  # type: ignore[arg-type]
