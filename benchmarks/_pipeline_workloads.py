@@ -155,7 +155,7 @@ def output_measures(
     """
     import pyarrow.parquet as pq
 
-    from pipeline.resume import data_files
+    from pipeline.io.resume import data_files
 
     columns = [
         "id",

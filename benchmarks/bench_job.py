@@ -5,7 +5,7 @@ chat user turn each, greedy, at most `--max-tokens` new tokens, the embedded Smo
 
 * `LLMEngine.generate` on all prompts in one call, in this process (torch on `--threads`
   threads, every core by default, and the job's engine on as many);
-* `jobs/generate.py`'s job (`pipeline.job.run_job`) on the same rows as a Parquet messages
+* `jobs/generate.py`'s job (`pipeline.job.run.run_job`) on the same rows as a Parquet messages
   column, once per shard size, each on a fresh local Ray (its start-up is the job's).
 
 Printed JSON: each job's throughput as a share of the engine's (generated tokens per second),
@@ -44,8 +44,8 @@ import pyarrow.parquet as pq  # noqa: E402
 from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from benchmarks.cpu_share import CpuSampler  # noqa: E402
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig  # noqa: E402
-from pipeline.infer import InferStage  # noqa: E402
-from pipeline.job import run_job  # noqa: E402
+from pipeline.job.run import run_job  # noqa: E402
+from pipeline.stages.infer import InferStage  # noqa: E402
 
 DATA_DIR = Path(os.environ.get("RAYPACK_DATA_DIR", ROOT.parent / "shared" / "data"))
 # Ray Data operator names (as in its stats) -> the breakdown's names; the first match wins
@@ -61,7 +61,7 @@ STAGES = (
     ("Recorded", "engine"),  # step_recording_stage's InferStage
     ("InferStage", "engine"),
     ("Write", "write"),
-    ("write_shards", "write"),  # pipeline/writer.py's write tasks
+    ("write_shards", "write"),  # pipeline/io/writer.py's write tasks
 )
 
 
@@ -253,7 +253,7 @@ def run_one_job(
         },
         "rows": out.num_rows,
         "summary_rows": summary.rows,
-        "phases_s": summary.phases_s,  # the job's own (pipeline/phases.py): from run_job's call
+        "phases_s": summary.phases_s,  # the job's own (pipeline/job/phases.py): from run_job's call
         "steps": len(steps["steps"]),
         "stepping_thread": steps["actor"],
         "running_per_step": [s[1] for s in steps["steps"]],

@@ -10,7 +10,7 @@ Two prompt sets (`--sets`), each as token ids made once by our tokenizer and han
   `jobs/snippets.py` renders them: the document first, so every question shares its prefix.
 
 Modes (`--modes`): `engine` (`LLMEngine.generate`, all prompts in one call, in this process),
-`job` (`pipeline.job.run_job` on a Parquet messages table, on a fresh local Ray: its start-up
+`job` (`pipeline.job.run.run_job` on a Parquet messages table, on a fresh local Ray: its start-up
 and shutdown are in `wall_s`, its run on a running Ray in `job_s`), `vllm` (vLLM CPU's
 `LLM.generate` on token-id prompts in the peers' venv, `make peers`, run as a subprocess by
 `benchmarks/peer_vllm.py` with its documented CPU settings: tcmalloc and Intel OpenMP
@@ -123,7 +123,7 @@ def run_jobs(rows: list[tuple[str, list[dict]]], args: argparse.Namespace, work:
     import ray.data
 
     from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     table = work / "rows.parquet"
     ids = [rid for rid, _ in rows]

@@ -103,8 +103,8 @@ def run_config(
     With `pool_docs`, each engine's KV pool holds that many mean prompts (in whole blocks)."""
     from packing import optimal_saving_ratio
     from packing.prefix import one_level_optimal_saving_ratio
-    from pipeline.job import prepare
-    from pipeline.tokenize import TokenizeStage
+    from pipeline.job.run import prepare
+    from pipeline.stages.tokenize import TokenizeStage
 
     path = workdir / f"{name}.parquet"
     pq.write_table(pa.Table.from_pylist(table), path)
@@ -175,7 +175,7 @@ def run_config(
 
 
 def _run_mode(name, mode, base, prepared, tokens_by_id, workdir, repeat) -> dict:  # noqa: ANN001
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     grouping, cache = MODES[mode]
     config = replace(
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
 
     from actors.loader import load_tokenizer
-    from pipeline.cli import connect_ray
+    from pipeline.commands.cli import connect_ray
 
     tokenizer = load_tokenizer(args.model)
     connect_ray()

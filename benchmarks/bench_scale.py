@@ -104,8 +104,8 @@ def one_job(rows: int, work: Path, model: Path, args: argparse.Namespace) -> dic
         PlanConfig,
         PromptConfig,
     )
-    from pipeline.job import run_job
-    from pipeline.resume import data_files
+    from pipeline.io.resume import data_files
+    from pipeline.job.run import run_job
 
     source, output = work / "in.parquet", work / "out"
     write_input(source, rows)

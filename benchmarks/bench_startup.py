@@ -10,7 +10,7 @@ interpreter, the imports, the model load and the first generated token are all i
 * `engine_gguf`: the same with the cache this machine has (the usual case);
 * `engine_safetensors`: `EngineConfig(model=<a safetensors folder>)` (the converted SmolLM2);
 * `job`: `raypack generate` on `--job-rows` Alpaca chat prompts, 8 new tokens, a local Ray
-  started by the command; its phases (pipeline/phases.py, from `--json`'s `phases_s`) and
+  started by the command; its phases (pipeline/job/phases.py, from `--json`'s `phases_s`) and
   the process's whole wall time.
 
 Ready means one `generate` of one new token returned. Medians of `--repeats` (the cold case
@@ -44,7 +44,7 @@ TARGET_S = 10.0
 # Run in a fresh interpreter: every import is part of the time.
 ENGINE = """
 import json, sys, time
-from pipeline.phases import process_start
+from pipeline.job.phases import process_start
 start = process_start()
 from actors import EngineConfig, LLMEngine, SamplingParams
 imported = time.time()

@@ -30,10 +30,10 @@ from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from benchmarks._pipeline_workloads import hh_rows  # noqa: E402
 from benchmarks.bench_job import alpaca_messages, prompt_ids  # noqa: E402
 from packing import PrefixGroup  # noqa: E402
-from pipeline import stage  # noqa: E402
 from pipeline.config import PlanConfig  # noqa: E402
-from pipeline.group_columns import read_groups  # noqa: E402
-from pipeline.plan import plan_partition  # noqa: E402
+from pipeline.stages import stage  # noqa: E402
+from pipeline.stages.group_columns import read_groups  # noqa: E402
+from pipeline.stages.plan import plan_partition  # noqa: E402
 from tests.pipeline.test_plan_infer import tokenized  # noqa: E402
 from tests.tiny_models import save_tiny_model  # noqa: E402
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.processor import (
+    from pipeline.processor.build import (
         LLMProcessorConfig,
         Processor,
         ProcessorConfig,
@@ -23,6 +23,6 @@ __all__ = ["LLMProcessorConfig", "Processor", "ProcessorConfig", "build_processo
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
-    from pipeline import processor
+    from pipeline.processor import build as processor
 
     return getattr(processor, name)

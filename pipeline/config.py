@@ -1,6 +1,6 @@
 """Typed configuration of the offline job: frozen dataclasses, validated once at construction.
 
-The CLI (`pipeline/cli.py`) builds these from flags; the stages receive only the parts they
+The CLI (`pipeline/commands/cli.py`) builds these from flags; the stages receive only the parts they
 need. Nothing here touches Ray, the filesystem or the model.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from actors.config import EngineConfig, SamplingParams
-from pipeline import columns
+from pipeline.stages import columns
 
 InputFormat = Literal["parquet", "jsonl", "csv", "hf"]
 _FORMATS = ("parquet", "jsonl", "csv", "hf")
@@ -201,9 +201,10 @@ class PlanConfig:
     max_rows_per_shard: int = 256
     max_tokens_per_shard: int = 65536
     # Hash partitions of the shuffle. None: one per engine actor (the processor), or for the
-    # job one per 64 MiB of input and at least one per engine actor (pipeline/job.py).
+    # job one per 64 MiB of input and at least one per engine actor (pipeline/job/run.py).
     num_partitions: int | None = None
-    on_duplicate: str = "error"  # rows sharing an id with different content: see pipeline/dedupe.py
+    # rows sharing an id with different content: see pipeline/stages/dedupe.py
+    on_duplicate: str = "error"
 
     def __post_init__(self) -> None:
         if self.on_duplicate not in ("error", "first"):
@@ -275,7 +276,7 @@ class ComputeConfig:
 
 @dataclass(frozen=True)
 class FilesConfig:
-    """How the output is cut into Parquet files (pipeline/writer.py).
+    """How the output is cut into Parquet files (pipeline/io/writer.py).
 
     A file is closed (and only then visible under its name) at `max_rows_per_file` rows or at
     about `max_bytes_per_file` bytes, whichever comes first: Ray Data's own defaults for its
@@ -305,8 +306,8 @@ class JobConfig:
     (and its files' sizes).
 
     `overwrite` starts the output folder over (its earlier run's files deleted) instead of
-    refusing a folder another lineage produced (pipeline/lineage.py); `retry_errors` generates
-    again the rows whose stored output has an error, replacing them (pipeline/resume.py).
+    refusing a folder another lineage produced (pipeline/io/lineage.py); `retry_errors` generates
+    again the rows whose stored output has an error, replacing them (pipeline/io/resume.py).
     """
 
     input: InputConfig

@@ -1,4 +1,4 @@
-"""The engine's command-line flags, shared by the offline job (pipeline/cli.py) and serving
+"""The engine's command-line flags, shared by the offline job (pipeline/commands/cli.py) and serving
 (pipeline/serve/cli.py), so both speak the same vocabulary (vLLM's CLI names:
 `--tensor-parallel-size`/`-tp`, `--pipeline-parallel-size`/`-pp`, `--max-num-batched-tokens`).
 

@@ -10,7 +10,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The suite runs two xdist workers on two cores, each with torch (the job's engine actors on
-# two threads, `pipeline/engine_actor.default_torch_threads`): libgomp's threads spin-wait
+# two threads, `pipeline/stages/engine_actor.default_torch_threads`): libgomp's threads spin-wait
 # for work between ops by default, so two such pools oversubscribe the cores and each op's
 # hand-off waits for a spinning thread's time slice. PASSIVE makes them sleep. Set before
 # any test imports torch (libgomp reads it when loaded); the commands and Ray workers the

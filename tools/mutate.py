@@ -83,12 +83,12 @@ MUTATIONS = [
     Mutation("scheduler: computed tokens start at 0 for shared prefixes", "actors/scheduler.py",
              "req.num_computed_tokens = num_shared", "req.num_computed_tokens = 0", ["tests/actors/test_scheduler.py", *ENGINE]),
     # resume
-    Mutation("resume: done rows kept", "pipeline/prompts.py",
+    Mutation("resume: done rows kept", "pipeline/stages/prompts.py",
              "keep = [i not in self.done_ids for i in ids]", "keep = [True for i in ids]", RESUME),
-    Mutation("resume: cut files kept", "pipeline/resume.py",
+    Mutation("resume: cut files kept", "pipeline/io/resume.py",
              "            storage.delete(path)\n            removed.append(path)\n            continue\n",
              "            removed.append(path)\n            continue\n", RESUME),
-    Mutation("resume: files left open kept", "pipeline/resume.py",
+    Mutation("resume: files left open kept", "pipeline/io/resume.py",
              "            storage.delete(path)\n            removed.append(path)\n    return removed\n",
              "            removed.append(path)\n    return removed\n", RESUME),
     # penalties

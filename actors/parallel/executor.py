@@ -8,7 +8,7 @@ stage's logits. `submit` returns at once, so several steps can be in flight (see
 makes it raise `WorkerFailedError` after tearing the group down (no hang in a collective).
 
 An engine whose actor already runs in a placement group (one group per engine actor, as
-pipeline/job.py and Ray's LLM layer give them) puts its workers in that group's bundles,
+pipeline/job/run.py and Ray's LLM layer give them) puts its workers in that group's bundles,
 worker i in bundle i, the engine actor itself beside worker 0 in bundle 0, and leaves the
 group to its owner on shutdown. Otherwise it reserves a group of its own and removes it.
 """

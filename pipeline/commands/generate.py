@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 
 from pipeline.chat_template import parse_template_kwargs, read_chat_template
-from pipeline.cli import HelpFormatter, add_engine_args, add_io_args, job_config, run
+from pipeline.commands.cli import HelpFormatter, add_engine_args, add_io_args, job_config, run
+from pipeline.commands.console import ConsoleOptions, add_console_flags
+from pipeline.commands.help_groups import lead_with
 from pipeline.config import JobConfig, PromptConfig
-from pipeline.console import ConsoleOptions, add_console_flags
-from pipeline.help_groups import lead_with
 
-# Shown first in --help (pipeline/help_groups.py): what most runs set.
+# Shown first in --help (pipeline/commands/help_groups.py): what most runs set.
 COMMON_FLAGS = (
     "--input",
     "--output",

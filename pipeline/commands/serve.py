@@ -20,8 +20,8 @@ import signal
 import socket
 import threading
 
-from pipeline.cli import HelpFormatter
-from pipeline.console import quiet_ray_token_notice
+from pipeline.commands.cli import HelpFormatter
+from pipeline.commands.console import quiet_ray_token_notice
 from pipeline.serve.cli import add_app_arguments, serve_config_from_args
 from pipeline.serve.proxy_headers import use_in_proxy
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline import columns
-from pipeline.cli import HelpFormatter, add_engine_args, add_io_args, job_config, run
+from pipeline.commands.cli import HelpFormatter, add_engine_args, add_io_args, job_config, run
+from pipeline.commands.console import ConsoleOptions, add_console_flags
+from pipeline.commands.help_groups import lead_with
 from pipeline.config import JobConfig, PromptConfig
-from pipeline.console import ConsoleOptions, add_console_flags
-from pipeline.help_groups import lead_with
+from pipeline.stages import columns
 
 SYSTEM_PROMPT = (
     "You write search result snippets. Given a document and a search query, reply with the "
@@ -35,7 +35,7 @@ def snippet_prompt(document_column: str, query_column: str) -> PromptConfig:
     return PromptConfig(template=template, chat=True, system_prompt=SYSTEM_PROMPT)
 
 
-# Shown first in --help (pipeline/help_groups.py): what most runs set.
+# Shown first in --help (pipeline/commands/help_groups.py): what most runs set.
 COMMON_FLAGS = (
     "--input",
     "--output",

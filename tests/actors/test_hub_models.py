@@ -24,7 +24,7 @@ from actors.loader import (
     resolve,
     resolve_model,
 )
-from pipeline.lineage import model_identity
+from pipeline.io.lineage import model_identity
 from tests.actors.reference import hf_greedy
 from tests.hub_cache import cache_repo
 from tests.tiny_models import save_tiny_model, tiny_model

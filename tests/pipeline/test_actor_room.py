@@ -1,5 +1,5 @@
 """Engine actors the cluster can never hold fail the job at once with the arithmetic
-(pipeline/engine_placement.py `check_actors_fit`), where Ray Data would wait for them forever;
+(pipeline/job/engine_placement.py `check_actors_fit`), where Ray Data would wait for them forever;
 `raypack generate` exits 2 with it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PromptConfig
-from pipeline.engine_placement import NoRoomError, actor_demand, check_actors_fit
+from pipeline.job.engine_placement import NoRoomError, actor_demand, check_actors_fit
 from tests.pipeline.data import TEMPLATE
 from tests.pipeline.test_commands import raypack
 

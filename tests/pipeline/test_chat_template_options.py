@@ -15,11 +15,11 @@ from actors.tokenization import ChatTemplateError, encode_chat
 from pipeline.chat_template import parse_template_kwargs, read_chat_template
 from pipeline.commands.generate import build_config, build_parser
 from pipeline.config import PromptConfig
-from pipeline.processor_config import ProcessorConfig
-from pipeline.prompts import PromptBuilder
+from pipeline.processor.config import ProcessorConfig
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.errors import APIError
 from pipeline.serve.service import OpenAIService
+from pipeline.stages.prompts import PromptBuilder
 
 # A template unlike SmolLM2's own, with a variable of the kind Qwen3 reads (enable_thinking).
 TEMPLATE = (
@@ -85,7 +85,7 @@ def test_job_flags_read_a_file_or_text_and_enter_the_lineage(tmp_path) -> None:
     prompt = build_config(args).prompt
     assert prompt.chat_template == TEMPLATE
     assert prompt.chat_template_kwargs == {"enable_thinking": True}
-    # The job's lineage records the prompt spec (pipeline/lineage.py: asdict of the prompt).
+    # The job's lineage records the prompt spec (pipeline/io/lineage.py: asdict of the prompt).
     assert asdict(prompt)["chat_template"] == TEMPLATE
     assert read_chat_template("{{ messages }}") == "{{ messages }}"
     with pytest.raises(ValueError, match="no file"):
@@ -126,8 +126,8 @@ def test_serve_takes_the_server_flag_and_the_request_fields(tokenizer) -> None:
 
 def test_a_changed_template_or_kwarg_or_n_is_a_lineage_difference(tiny_model_dir, tmp_path):
     from actors.config import EngineConfig, SamplingParams
-    from pipeline import lineage
     from pipeline.config import InputConfig, JobConfig
+    from pipeline.io import lineage
 
     chat = PromptConfig(prompt_column="p", chat=True, chat_template=TEMPLATE)
     config = JobConfig(

@@ -19,10 +19,10 @@ import pytest
 
 from actors.config import SamplingParams
 from pipeline.config import InputConfig
-from pipeline.job import run_job
-from pipeline.prompts import RowIdStage
-from pipeline.read import read_dataset, resolve_input
-from pipeline.resume import data_files
+from pipeline.io.read import read_dataset, resolve_input
+from pipeline.io.resume import data_files
+from pipeline.job.run import run_job
+from pipeline.stages.prompts import RowIdStage
 from tests.pipeline.data import TEMPLATE, rows
 from tests.pipeline.test_job import make_config, read_output
 

@@ -14,10 +14,10 @@ from actors import LLMEngine
 from actors.config import EngineConfig, SamplingParams
 from packing import PrefixGroup
 from pipeline.config import PromptConfig
-from pipeline.engine_actor import shards_in_flight
-from pipeline.feed import EngineFeed
-from pipeline.job import run_job
-from pipeline.prompts import PromptBuilder, merge_sampling
+from pipeline.job.run import run_job
+from pipeline.stages.engine_actor import shards_in_flight
+from pipeline.stages.feed import EngineFeed
+from pipeline.stages.prompts import PromptBuilder, merge_sampling
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 from tests.pipeline.test_job import make_config, read_output
 

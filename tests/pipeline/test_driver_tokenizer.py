@@ -14,10 +14,10 @@ from pathlib import Path
 import pyarrow as pa
 
 from actors.config import EngineConfig
-from pipeline import stage
 from pipeline.config import InputConfig, JobConfig, PromptConfig
-from pipeline.job import job_processor, prepare
-from pipeline.tokenize import TokenizeStage
+from pipeline.job.run import job_processor, prepare
+from pipeline.stages import stage
+from pipeline.stages.tokenize import TokenizeStage
 
 
 def _config(tiny_model_dir: Path, tmp_path: Path, prompt: PromptConfig) -> JobConfig:

@@ -1,4 +1,4 @@
-"""`raypack generate --dry-run` (pipeline/dry_run.py): reads and plans in this process, times
+"""`raypack generate --dry-run` (pipeline/job/dry_run.py): reads and plans in this process, times
 the tiny engine for a moment, prints the plan and an estimate; starts no Ray, writes nothing
 to the output folder, and counts the rows a resumed folder already has."""
 
@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.commands import generate
-from pipeline.console import LOG_LEVEL_ENV, OURS
-from pipeline.dry_run import DryRun
-from pipeline.estimate import (
+from pipeline.commands.console import LOG_LEVEL_ENV, OURS
+from pipeline.job.dry_run import DryRun
+from pipeline.job.estimate import (
     JOB_START_S,
     Calibration,
     estimate,

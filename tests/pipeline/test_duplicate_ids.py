@@ -12,7 +12,7 @@ import pytest
 
 from actors.config import EngineConfig, SamplingParams
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
-from pipeline.job import run_job
+from pipeline.job.run import run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -75,7 +75,7 @@ def test_repeated_ids_identical_once_different_never_silently_dropped(
         if grouping:  # the shuffle is a barrier: every version is known, each an error row
             assert all("2 input rows with different content" in e for e in errors), errors
             # A version read in a later block than the first is described by its text (the
-            # first version only by its content hash: see pipeline/dedupe.py).
+            # first version only by its content hash: see pipeline/stages/dedupe.py).
             named = [
                 next(t for i, t in ROWS if i == repeated and t != row["text"])[:40] in error
                 for row, error in zip(rows, errors, strict=True)

@@ -75,7 +75,7 @@ def test_a_job_resolves_auto_once_for_all_its_engines(ray_cluster, tmp_path) -> 
     """The driver picks one dtype for every engine actor (no GPU in this cluster: the CPU's)."""
     from actors.dtypes import choose_dtype, cpu_info
     from pipeline.config import InputConfig, JobConfig, PromptConfig
-    from pipeline.job import _resolved_dtype
+    from pipeline.job.run import _resolved_dtype
 
     config = JobConfig(
         input=InputConfig("in.parquet"),

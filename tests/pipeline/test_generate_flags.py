@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.job import run_job
+from pipeline.job.run import run_job
 from tests.actors.reference import hf_greedy, torch_threads
 from tests.pipeline.test_job import load_job, read_output
 

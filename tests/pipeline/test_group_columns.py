@@ -1,4 +1,4 @@
-"""pipeline/group_columns.py: a shard's prefix groups written to Ray Data columns and read
+"""pipeline/stages/group_columns.py: a shard's prefix groups written to Ray Data columns and read
 back are the same `packing.PrefixGroup`s (no Ray)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from packing import PrefixGroup, prefix_forest
-from pipeline.group_columns import ShardGroups, group_columns, read_groups
+from pipeline.stages.group_columns import ShardGroups, group_columns, read_groups
 
 SHARDS = [
     ShardGroups(  # nested engine groups under first-level groups, and rows alone

@@ -19,9 +19,9 @@ import pytest
 
 from actors.config import EngineConfig, SamplingParams
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
-from pipeline.output import LOCK_FILE, STALE_S, OutputBusyError, OutputFolder, check_output
-from pipeline.prompts import RowError, merge_sampling, sampling_overrides
-from pipeline.read import check_input, resolve_input
+from pipeline.io.output import LOCK_FILE, STALE_S, OutputBusyError, OutputFolder, check_output
+from pipeline.io.read import check_input, resolve_input
+from pipeline.stages.prompts import RowError, merge_sampling, sampling_overrides
 
 ROOT = Path(__file__).parents[2]
 
@@ -235,7 +235,7 @@ def test_hostile_override_rows_are_error_rows_and_their_shard_generates(
     ray_cluster, tiny_model_dir, tmp_path
 ):
     from actors import LLMEngine
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     table = tmp_path / "rows.csv"
     table.write_text(HOSTILE_CSV)
@@ -274,7 +274,7 @@ def test_hostile_override_rows_are_error_rows_and_their_shard_generates(
 
 
 def test_dedupe_marks_versions_of_an_id_and_keys_identical_rows_together():
-    from pipeline import dedupe, stage
+    from pipeline.stages import dedupe, stage
 
     batch = pa.table(
         {
@@ -305,7 +305,7 @@ def test_sampling_columns_are_used_only_when_named(tiny_model_dir, tmp_path):
     """A column that happens to be called `temperature` or `max_tokens` changes nothing unless
     --sampling-columns names it; a name that is no sampling field fails before any work."""
     from jobs.generate import build_config, build_parser
-    from pipeline.job import prepare
+    from pipeline.job.run import prepare
 
     table = tmp_path / "rows.csv"
     table.write_text("id,prompt,temperature,max_tokens\nr1,hello,0.9,2\n")

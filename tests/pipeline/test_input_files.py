@@ -13,7 +13,7 @@ import pytest
 
 from actors.config import EngineConfig, SamplingParams
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
-from pipeline.read import check_input, input_columns, resolve_input
+from pipeline.io.read import check_input, input_columns, resolve_input
 
 BOM = b"\xef\xbb\xbf"
 
@@ -135,7 +135,7 @@ def test_bom_csv_with_the_output_inside_its_folder_runs_and_reruns(
 ):
     """A CSV with a UTF-8 BOM keeps the user's ids (they were content hashes), and --output
     inside the input folder reruns (it exited 1 reading its own output)."""
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     folder = tmp_path / "in"
     folder.mkdir()

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.config import EngineConfig, SamplingParams
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
-from pipeline.infer import InferStage
-from pipeline.job import run_job
-from pipeline.report import REPORT_FILE, SUMMARY_FILE
+from pipeline.io.report import REPORT_FILE, SUMMARY_FILE
+from pipeline.job.run import run_job
+from pipeline.stages.infer import InferStage
 from tests.actors.reference import hf_greedy, torch_threads
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 
@@ -104,7 +104,7 @@ def test_one_actor_every_id_once_equal_to_hf_generate(
     assert saved["rows"] == summary.rows
     assert (tmp_path / "out" / REPORT_FILE).stat().st_size > 10_000
     # The job's start-up and tail, timed from the driver's and the engine actor's marks
-    # (pipeline/phases.py); run_job without the command: from the job's start.
+    # (pipeline/job/phases.py); run_job without the command: from the job's start.
     phases = saved["phases_s"]
     assert phases == summary.phases_s
     parts = ("read_plan", "engine_start", "engine_load", "first_step", "to_first_step")

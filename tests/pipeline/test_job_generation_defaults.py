@@ -1,4 +1,4 @@
-"""The job's default sampling (pipeline/cli.py `job_sampling`): flags given win, else the
+"""The job's default sampling (pipeline/commands/cli.py `job_sampling`): flags given win, else the
 model's generation_config.json values (vLLM's --generation-config auto), else SamplingParams'
 defaults; `--generation-config vllm` ignores the model's; resolved when the config is built,
 so the lineage records what the rows are generated with. No Ray."""

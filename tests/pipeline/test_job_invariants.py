@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
-from pipeline.columns import INTERNAL_COLUMNS, RESERVED_COLUMNS
+from pipeline.stages.columns import INTERNAL_COLUMNS, RESERVED_COLUMNS
 
 # Column names a user may have: the job's own output and working columns, and odd ones.
 NAMES = (
@@ -149,7 +149,7 @@ def _refusal_names_a_flag_or_the_input(message: str) -> None:
 @given(job=jobs())
 def test_checks_before_ray_accept_or_refuse_naming_a_flag_or_the_input(job, tiny_model_dir):
     from jobs.generate import build_config, build_parser
-    from pipeline.job import prepare
+    from pipeline.job.run import prepare
 
     with tempfile.TemporaryDirectory() as tmp:
         args = build_parser().parse_args(_args(job, Path(tmp), tiny_model_dir))

@@ -14,9 +14,9 @@ import pytest
 
 from actors.config import EngineConfig, SamplingParams
 from actors.loader import resolve_model
-from pipeline import lineage
 from pipeline.config import InputConfig, JobConfig, PromptConfig
-from pipeline.output import OutputFolder
+from pipeline.io import lineage
+from pipeline.io.output import OutputFolder
 
 
 def _config(model: Path, out: Path, **sampling) -> JobConfig:

@@ -12,12 +12,13 @@ import pytest
 from actors.config import EngineConfig, SamplingParams
 from actors.loader import ModelSource, ResolvedModel
 from actors.outputs import RequestOutput, TokenLogprob
-from pipeline import ProcessorConfig, build_processor, stage
+from pipeline import ProcessorConfig, build_processor
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
-from pipeline.infer import LOGPROBS_TYPE, InferStage
-from pipeline.input_source import InputFile, InputSource
-from pipeline.job import PreparedJob, processor_config
-from pipeline.plan import plan_partition
+from pipeline.io.input_source import InputFile, InputSource
+from pipeline.job.run import PreparedJob, processor_config
+from pipeline.stages import stage
+from pipeline.stages.infer import LOGPROBS_TYPE, InferStage
+from pipeline.stages.plan import plan_partition
 from tests.pipeline.test_plan_infer import tokenized
 
 

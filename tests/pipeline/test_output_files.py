@@ -1,5 +1,5 @@
-"""Output files sized by rows (pipeline/writer.py) and resume state that keeps no id on the
-driver (pipeline/done_ids.py): many shards in few files, files visible only when complete,
+"""Output files sized by rows (pipeline/io/writer.py) and resume state that keeps no id on the
+driver (pipeline/io/done_ids.py): many shards in few files, files visible only when complete,
 a writer killed with a file open loses nothing for the next run, a rerun writes nothing."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import FilesConfig
-from pipeline.done_ids import DoneIds, done_filter
-from pipeline.job import run_job
-from pipeline.output import TMP_SUFFIX
-from pipeline.resume import data_files, scan_output
+from pipeline.io.done_ids import DoneIds, done_filter
+from pipeline.io.output import TMP_SUFFIX
+from pipeline.io.resume import data_files, scan_output
+from pipeline.job.run import run_job
 from tests.pipeline.data import rows
 from tests.pipeline.test_job import make_config, read_output
 
@@ -46,7 +46,7 @@ def test_done_ids_test_membership_and_travel_without_their_array():
 def test_writer_files_appear_whole_and_a_killed_writer_loses_nothing(ray_cluster, tmp_path):
     import ray
 
-    from pipeline.writer import FileWriter
+    from pipeline.io.writer import FileWriter
 
     files = FilesConfig(max_rows_per_file=5)
     writer = ray.remote(num_cpus=0, max_restarts=0)(FileWriter).remote(
@@ -94,7 +94,7 @@ def test_sink_streams_the_write_and_holds_no_result_per_block(ray_cluster, tmp_p
     import ray
     import ray.data
 
-    from pipeline.writer import ShardSink
+    from pipeline.io.writer import ShardSink
 
     shards = [_shard(f"s{i}", [f"r{i}-{j}" for j in range(3)], ["n"] * 3) for i in range(8)]
     ds = ray.data.from_arrow(shards)  # one block per shard, as after the plan
@@ -166,7 +166,7 @@ def _shards(path: str) -> set[str]:
 
 def _ending_in_zero(count: int) -> list[str]:
     """Ids whose 16-byte digest ends in a zero byte (numpy hands such items out cut short)."""
-    from pipeline.id_table import digest
+    from pipeline.io.id_table import digest
 
     found = (f"id{i}" for i in range(100_000) if digest(f"id{i}")[-1] == 0)
     return [next(found) for _ in range(count)]
@@ -179,8 +179,8 @@ def test_done_ids_find_digests_that_end_in_zero_bytes():
 
 
 def test_id_table_keeps_first_contents_and_claims_across_merges(monkeypatch):
-    from pipeline import id_table
-    from pipeline.report import StatsCollector
+    from pipeline.io import id_table
+    from pipeline.io.report import StatsCollector
 
     monkeypatch.setattr(id_table, "MERGE_AT", 4)  # merge into the sorted arrays often
     collector = StatsCollector()

@@ -12,9 +12,9 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
-from pipeline.engine_placement import check_cpu_room
-from pipeline.infer import InferStage
-from pipeline.job import run_job
+from pipeline.job.engine_placement import check_cpu_room
+from pipeline.job.run import run_job
+from pipeline.stages.infer import InferStage
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 from tests.pipeline.test_job import make_config, read_output
 

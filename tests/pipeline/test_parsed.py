@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from actors import SamplingParams
-from pipeline.parsed import arrow_type, parsed_column, parsed_type
+from pipeline.stages.parsed import arrow_type, parsed_column, parsed_type
 
 OBJECT = {
     "type": "object",

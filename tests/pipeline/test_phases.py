@@ -1,11 +1,11 @@
-"""The job's phases (pipeline/phases.py): marks to durations, several engines merged, the
+"""The job's phases (pipeline/job/phases.py): marks to durations, several engines merged, the
 printed line, this process's start."""
 
 from __future__ import annotations
 
 import time
 
-from pipeline.phases import EngineMarks, JobClock, phases_line, process_start
+from pipeline.job.phases import EngineMarks, JobClock, phases_line, process_start
 
 
 def clock_at(**marks: float) -> JobClock:

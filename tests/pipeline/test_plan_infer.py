@@ -12,12 +12,12 @@ import pytest
 from actors.config import EngineConfig, SamplingParams
 from actors.outputs import RequestOutput
 from packing import PrefixGroup
-from pipeline import stage
 from pipeline.config import PlanConfig, PromptConfig
-from pipeline.infer import InferStage
-from pipeline.plan import PlanStage, cut_shards, plan_partition
-from pipeline.report import StatsCollector, summarize, write_report
-from pipeline.tokenize import TokenizeStage
+from pipeline.io.report import StatsCollector, summarize, write_report
+from pipeline.stages import stage
+from pipeline.stages.infer import InferStage
+from pipeline.stages.plan import PlanStage, cut_shards, plan_partition
+from pipeline.stages.tokenize import TokenizeStage
 
 DOC_A = list(range(100, 180))  # 80 tokens: more than one 64-token key block
 DOC_B = list(range(300, 370))
@@ -102,7 +102,7 @@ def test_plan_groups_rows_sharing_a_prefix_and_passes_errors_through():
 
 def test_shards_run_the_lowest_ratio_groups_first():
     """The ratio order (a large shared group of short prompts first) cut into shards, the
-    shards then taken last-first: fewer engine steps (pipeline/plan.py)."""
+    shards then taken last-first: fewer engine steps (pipeline/stages/plan.py)."""
     rows = [(f"a{i}", DOC_A + [i], None) for i in range(4)]
     rows += [("long1", list(range(500, 700)), None), ("long2", list(range(800, 990)), None)]
     shards, _ = plan_partition(
@@ -334,7 +334,7 @@ def test_an_id_in_two_partitions_is_planned_once_and_a_retry_keeps_its_rows(ray_
 
 
 def test_token_arrays_are_the_rows_tokens_for_chunked_sliced_and_null_rows():
-    from pipeline.plan import token_arrays
+    from pipeline.stages.plan import token_arrays
 
     lists = [[1, 2, 3], None, [], [4, 5], [6]]
     column = pa.chunked_array(

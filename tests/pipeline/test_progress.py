@@ -1,5 +1,5 @@
-"""What a job command prints: the progress line (pipeline/progress.py), a quiet console
-(pipeline/console.py), `--help` that starts with the common flags (pipeline/help_groups.py),
+"""What a job command prints: the progress line (pipeline/job/progress.py), a quiet console
+(pipeline/commands/console.py), `--help` that starts with the common flags (pipeline/commands/help_groups.py),
 `raypack --version`; and one tiny job through the CLI that shows them all."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.commands import generate, snippets
-from pipeline.console import HARMLESS_STDERR
-from pipeline.help_groups import COMMON_TITLE
-from pipeline.progress import Counts, Progress, ProgressBoard, ProgressDisplay, ProgressReporter
+from pipeline.commands.console import HARMLESS_STDERR
+from pipeline.commands.help_groups import COMMON_TITLE
+from pipeline.job.progress import Counts, Progress, ProgressBoard, ProgressDisplay, ProgressReporter
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 from tests.pipeline.test_commands import ROOT, raypack
 
@@ -100,7 +100,7 @@ def test_a_row_with_several_samples_counts_once(tiny_model_dir: Path) -> None:
     (and their tokens all count)."""
     from actors import LLMEngine
     from actors.config import EngineConfig, SamplingParams
-    from pipeline.feed import EngineFeed
+    from pipeline.stages.feed import EngineFeed
 
     config = EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=16)
     engine = LLMEngine(config)
@@ -181,7 +181,7 @@ def test_filter_stderr_drops_only_the_harmless_lines() -> None:
     pass through in order, a bar without newline at once, the core worker's line not at all."""
     script = (
         "import os, sys\n"
-        "from pipeline.console import filter_stderr\n"
+        "from pipeline.commands.console import filter_stderr\n"
         "with filter_stderr():\n"
         "    os.write(2, b'one\\n[2026-11-26 09:25:58,997 E 6468 6468] core_worker.cc:2465: '\n"
         "             b'Actor with class name: \\'X\\' and ID: \\'y\\' has constructor arguments '\n"
@@ -231,7 +231,7 @@ def test_a_job_shows_moving_progress_and_prints_nothing_alarming(
     summaries = [line for line in done.stdout.splitlines() if "prefix saving" in line]
     assert len(summaries) == 1, done.stdout
     assert f"output: {output}" in done.stdout
-    # The job's phases, once, the command's Ray disconnect among them (pipeline/phases.py).
+    # The job's phases, once, the command's Ray disconnect among them (pipeline/job/phases.py).
     timing = [line for line in done.stdout.splitlines() if line.startswith("time: ")]
     assert len(timing) == 1 and "first step at" in timing[0], done.stdout
     assert "imports" in timing[0] and "shutdown" in timing[0], timing
@@ -246,7 +246,7 @@ def test_forwarded_log_lines_lose_only_the_harmless_ones() -> None:
     nothing."""
     script = """
 from ray._private import worker
-from pipeline.console import filter_forwarded_logs
+from pipeline.commands.console import filter_forwarded_logs
 filter_forwarded_logs()
 filter_forwarded_logs()  # twice: still one filter
 warning = ("WARNING: 8 PYTHON worker processes have been started on node: 5b92 with address: "

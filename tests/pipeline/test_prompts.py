@@ -8,7 +8,7 @@ import pytest
 from actors.config import SamplingParams
 from actors.loader import load_tokenizer
 from pipeline.config import InputConfig, JobConfig, PlanConfig, PromptConfig
-from pipeline.prompts import (
+from pipeline.stages.prompts import (
     PromptBuilder,
     RowError,
     RowIdStage,

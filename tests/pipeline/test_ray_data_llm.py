@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from pipeline.processor import LLMProcessorConfig, build_processor
-from pipeline.ray_llm import RayColumnsStage, engine_config
+from pipeline.processor.build import LLMProcessorConfig, build_processor
+from pipeline.processor.ray_llm import RayColumnsStage, engine_config
 
 DOC = Path(__file__).parents[2] / "docs" / "ray-data-llm.md"
 DOC_MODEL = '"/models/Llama-3.1-8B-Instruct"'
@@ -30,7 +30,7 @@ def ported_program() -> str:
 def test_the_documented_ray_data_llm_program_runs(ray_cluster, tiny_model_dir, capsys):
     program = ported_program()
     assert program.count(DOC_MODEL) == 1
-    assert "from pipeline.processor import LLMProcessorConfig, build_processor" in program
+    assert "from pipeline.processor.build import LLMProcessorConfig, build_processor" in program
     code = program.replace(DOC_MODEL, repr(str(tiny_model_dir)))
     namespace: dict = {"__name__": "__main__"}
     exec(compile(code, str(DOC), "exec"), namespace)  # noqa: S102 (the page's own program)
@@ -134,7 +134,7 @@ def test_n_samples_per_row_through_the_processor(ray_cluster, tiny_model_dir):
 
 def test_chat_rows_get_the_chat_templates_text_as_prompt():
     from actors.loader import load_tokenizer
-    from pipeline.ray_llm import ChatPromptStage
+    from pipeline.processor.ray_llm import ChatPromptStage
 
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<bot>"
     chats = [[{"role": "user", "content": "Hi"}], [{"role": "system", "content": "Be brief."}]]

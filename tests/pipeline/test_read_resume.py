@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import InputConfig
-from pipeline.read import check_columns, input_columns, resolve_input
-from pipeline.resume import data_files, scan_output
+from pipeline.io.read import check_columns, input_columns, resolve_input
+from pipeline.io.resume import data_files, scan_output
 
 
 def _columns(config: InputConfig) -> list[str]:

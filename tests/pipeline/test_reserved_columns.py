@@ -8,8 +8,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from pipeline import columns, dedupe, stage
-from pipeline.prompts import RowIdStage
+from pipeline.stages import columns, dedupe, stage
+from pipeline.stages.prompts import RowIdStage
 from tests.pipeline.test_hostile_job import _generate
 
 TABLE = "id,prompt,key,n\nr1,hello,k1,3\nr2,world,k2,4\n"

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from actors import loader
-from pipeline import storage
 from pipeline.config import InputConfig, JobConfig, PromptConfig
-from pipeline.infer import InferStage
-from pipeline.job import claim_output, job_processor, prepare
-from pipeline.read import check_input, input_columns, resolve_input
-from pipeline.tokenize import TokenizeStage
+from pipeline.io import storage
+from pipeline.io.read import check_input, input_columns, resolve_input
+from pipeline.job.run import claim_output, job_processor, prepare
+from pipeline.stages.infer import InferStage
+from pipeline.stages.tokenize import TokenizeStage
 
 
 def _counted(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[str]:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import stage
 from pipeline.config import PlanConfig
-from pipeline.infer import InferStage
-from pipeline.job import run_job
+from pipeline.job.run import run_job
+from pipeline.stages import stage
+from pipeline.stages.infer import InferStage
 from tests.pipeline.data import rows
 from tests.pipeline.test_job import make_config, read_output
 

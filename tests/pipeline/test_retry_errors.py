@@ -15,7 +15,7 @@ import pytest
 
 from actors.config import EngineConfig, SamplingParams
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
-from pipeline.job import run_job
+from pipeline.job.run import run_job
 from tests.pipeline.test_job import read_output
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -19,12 +19,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import storage
 from pipeline.config import InputConfig
-from pipeline.output import LOCK_FILE, OutputBusyError, OutputFolder, check_output
-from pipeline.read import check_input, input_columns, resolve_input
-from pipeline.report import REPORT_FILE, SUMMARY_FILE
-from pipeline.resume import data_files, scan_output
+from pipeline.io import storage
+from pipeline.io.output import LOCK_FILE, OutputBusyError, OutputFolder, check_output
+from pipeline.io.read import check_input, input_columns, resolve_input
+from pipeline.io.report import REPORT_FILE, SUMMARY_FILE
+from pipeline.io.resume import data_files, scan_output
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 
 ROOT = Path(__file__).parents[2]

@@ -15,11 +15,11 @@ from transformers import AutoModelForCausalLM
 from actors import LLMEngine
 from actors.config import EngineConfig, SamplingParams
 from actors.loader import load_tokenizer
-from pipeline import stage
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
-from pipeline.infer import InferStage
-from pipeline.job import run_job
-from pipeline.plan import plan_partition
+from pipeline.job.run import run_job
+from pipeline.stages import stage
+from pipeline.stages.infer import InferStage
+from pipeline.stages.plan import plan_partition
 from tests.actors.reference import hf_greedy, torch_threads
 from tests.pipeline.test_plan_infer import DOC_A, tokenized
 from tests.tiny_models import tiny_model
@@ -108,7 +108,7 @@ def test_job_n2_one_row_per_sample_and_a_rerun_adds_nothing(ray_cluster, tiny_mo
 def test_retry_errors_drops_every_sample_of_a_row_with_an_error(tmp_path):
     import pyarrow as pa
 
-    from pipeline.resume import _drop_error_rows
+    from pipeline.io.resume import _drop_error_rows
 
     path = tmp_path / "part.parquet"
     table = pa.table(

@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.config import EngineConfig, SamplingParams
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
-from pipeline.job import run_job
-from pipeline.lineage import LINEAGE_FILE
+from pipeline.io.lineage import LINEAGE_FILE
+from pipeline.job.run import run_job
 from tests.actors.reference import torch_threads
 from tests.pipeline.test_job import read_output
 from tests.sampling_cases import (

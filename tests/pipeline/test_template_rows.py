@@ -8,10 +8,10 @@ import pyarrow as pa
 import pytest
 
 from actors.config import SamplingParams
-from pipeline import stage
 from pipeline.config import PromptConfig
-from pipeline.prompts import MAX_FORMAT_WIDTH, PromptBuilder, RowError
-from pipeline.tokenize import TokenizeStage
+from pipeline.stages import stage
+from pipeline.stages.prompts import MAX_FORMAT_WIDTH, PromptBuilder, RowError
+from pipeline.stages.tokenize import TokenizeStage
 from tests.tiny_tokenizers import tiny_tokenizer
 
 

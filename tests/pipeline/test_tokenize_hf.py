@@ -1,4 +1,4 @@
-"""The job's tokenizer stage (pipeline/tokenize.py, as the job and the processor run it)
+"""The job's tokenizer stage (pipeline/stages/tokenize.py, as the job and the processor run it)
 tokenizes as Hugging Face on tokenizers that add BOS, BOS+EOS or nothing: text rows as `tokenizer(text)`, chat
 rows as `apply_chat_template(..., tokenize=True)` (one BOS, the template's); and the engine's
 greedy outputs on the stage's ids equal `model.generate(**tokenizer(prompt))` (no Ray)."""
@@ -12,9 +12,9 @@ from transformers import PreTrainedTokenizerFast
 
 from actors import EngineConfig, LLMEngine, SamplingParams
 from actors.tokenization import special_tokens_around
-from pipeline import stage
 from pipeline.config import PromptConfig
-from pipeline.tokenize import TokenizeStage
+from pipeline.stages import stage
+from pipeline.stages.tokenize import TokenizeStage
 from tests.actors.reference import assert_greedy_match, torch_threads
 from tests.tiny_models import tiny_model
 from tests.tiny_tokenizers import BOS, PAD, STYLES, model_args, tiny_tokenizer
@@ -129,7 +129,7 @@ def test_a_shared_bos_is_not_a_prefix_group(tok, style) -> None:
     (first-level groups by prefix key, nested groups of >= nested_min_shared tokens)."""
     from packing.prefix import prefix_forest
     from pipeline.config import PlanConfig
-    from pipeline.plan import group_rows
+    from pipeline.stages.plan import group_rows
 
     doc = "the heap queue keeps the smallest item at index zero, so a pop is cheap. " * 3
     texts = [doc + "Q: why?", doc + "Q: how?", "an unrelated question", "another one entirely"]

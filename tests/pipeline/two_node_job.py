@@ -25,7 +25,7 @@ def node_recording_stage(record: Path):  # noqa: ANN201 (an InferStage subclass)
     """An InferStage that writes its engine's stage workers' node ids to `record`."""
     import ray
 
-    from pipeline.infer import InferStage
+    from pipeline.stages.infer import InferStage
 
     class RecordNodes(InferStage):
         def run_shard(self, shard):
@@ -61,7 +61,7 @@ def main(table: str, model_dir: str, output: str) -> None:
     cluster.add_node(num_cpus=1, resources={"fake_gpu": 1})
     try:
         ray.init(address=cluster.address)
-        from pipeline.job import run_job
+        from pipeline.job.run import run_job
 
         result: dict = {"nodes": sum(1 for n in ray.nodes() if n["Alive"])}
         dp = make_config(

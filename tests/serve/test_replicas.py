@@ -22,8 +22,8 @@ import requests
 import yaml
 
 from actors.config import EngineConfig
+from pipeline.commands.console import TOKEN_AUTH_LOGGER
 from pipeline.commands.serve import main as serve_main
-from pipeline.console import TOKEN_AUTH_LOGGER
 from pipeline.serve import ServeConfig, build_app
 from pipeline.serve.app import replica_options
 from pipeline.serve.replicas import REPLICA_HEADER
@@ -139,7 +139,7 @@ def test_command_exits_2_naming_the_flag(
 
 def test_command_quiets_rays_token_auth_notice(caplog: pytest.LogCaptureFixture) -> None:
     """A clean start prints no warning: Ray's notice that a new local cluster has token
-    authentication on (the safe default: pipeline/console.py) is not shown, from Ray's own
+    authentication on (the safe default: pipeline/commands/console.py) is not shown, from Ray's own
     function; the command sets this up first, so a bad flag's exit shows it too."""
     from ray._private.authentication import authentication_token_setup
 

@@ -1,0 +1,1 @@
+"""The shared path of the job and the processor: ids, prompts, tokens, plan, engine actors."""

@@ -1,0 +1,69 @@
+"""The engine actors' share of the cluster, for the job and the processor alike: resources and
+restart policy, torch threads, and how many shards one actor holds at once."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from actors.config import EngineConfig
+from pipeline.config import ComputeConfig, PlanConfig
+
+MAX_SHARDS_IN_FLIGHT = 16  # per engine actor: each is a thread waiting in the actor
+
+
+def shards_in_flight(engine: EngineConfig, plan: PlanConfig) -> int:
+    """Shards one engine actor holds at once: twice `max_num_seqs` in rows, plus one shard.
+
+    A shard keeps its place until its last row ends (pipeline/stages/feed.py), and by then most of
+    its rows have long finished: with only `max_num_seqs` rows in flight the engine ran out
+    of waiting prompts mid-job (1,024 Alpaca rows, 64-row shards: 160 of 281 steps with none
+    waiting, a median of 192 running of 256; docs/benchmarks-job-engine.md). Twice that keeps
+    prompts waiting until the last shard is in."""
+    rows = plan.max_rows_per_shard
+    return min(MAX_SHARDS_IN_FLIGHT, max(2, math.ceil(2 * engine.max_num_seqs / rows) + 1))
+
+
+def engine_actor_args(compute: ComputeConfig, placements: Any = None) -> dict:
+    """Resources and restart policy of an engine actor: a GPU each when the cluster has GPUs
+    (or as configured), else a fraction of a CPU; plus any custom resources and memory.
+
+    With `placements` (pipeline.job.engine_placement.EnginePlacements, for tp x pp engines) each
+    actor is created in a placement group of its own and takes no GPU itself: its workers
+    hold them, one per bundle."""
+    import ray
+
+    gpus = compute.num_gpus_per_actor
+    if gpus is None:
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    args: dict = dict(
+        num_cpus=compute.num_cpus_per_actor,
+        num_gpus=gpus,
+        max_restarts=compute.max_restarts,
+        max_task_retries=compute.max_restarts,
+    )
+    if compute.resources:
+        args["resources"] = dict(compute.resources)
+    if compute.memory_gb_per_actor:
+        args["memory"] = int(compute.memory_gb_per_actor * 2**30)
+    if placements is not None:
+        args["num_gpus"] = 0
+        args["ray_remote_args_fn"] = placements
+    return args
+
+
+def default_torch_threads(
+    compute: ComputeConfig, actor_args: dict, world_size: int = 1
+) -> int | None:
+    """Torch threads of a CPU engine actor: the cluster's CPUs shared by the engine actors.
+
+    Ray sets OMP_NUM_THREADS to an actor's whole CPUs, so a 0.5-CPU actor would run torch
+    on one thread however many cores are idle; the CPU fraction is only for scheduling.
+    None (torch's default) for GPU actors and for tp x pp engines (their workers compute).
+    """
+    import ray
+
+    if actor_args["num_gpus"] or world_size > 1:
+        return None
+    cpus = ray.cluster_resources().get("CPU", 1)
+    return max(1, int(cpus // compute.num_actors))
