@@ -1,6 +1,10 @@
 """raypack pipeline: the offline job, the Ray Serve app, and the processor for a user's own
 Ray Data program (`ProcessorConfig`, `build_processor`).
 
+The folders: `stages/` (the path the job and the processor share), `processor/`, `io/` (the
+job's input and output), `job/` (its driver), `commands/` (the command line), `serve/`;
+docs/architecture.md has a line per module.
+
 The names below load on first use (PEP 562): a Ray worker that runs one stage imports that
 stage's module only, not the processor, the engine and torch.
 """
