@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from pipeline.processor.build import LLMProcessorConfig, build_processor
+from pipeline import LLMProcessorConfig, build_processor
 from pipeline.processor.ray_llm import RayColumnsStage, engine_config
 
 DOC = Path(__file__).parents[2] / "docs" / "ray-data-llm.md"
@@ -30,7 +30,7 @@ def ported_program() -> str:
 def test_the_documented_ray_data_llm_program_runs(ray_cluster, tiny_model_dir, capsys):
     program = ported_program()
     assert program.count(DOC_MODEL) == 1
-    assert "from pipeline.processor.build import LLMProcessorConfig, build_processor" in program
+    assert "from pipeline import LLMProcessorConfig, build_processor" in program
     code = program.replace(DOC_MODEL, repr(str(tiny_model_dir)))
     namespace: dict = {"__name__": "__main__"}
     exec(compile(code, str(DOC), "exec"), namespace)  # noqa: S102 (the page's own program)
