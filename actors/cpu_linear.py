@@ -18,6 +18,7 @@ engine's greedy float32 tokens still match Hugging Face `generate` (tests/actors
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +38,10 @@ def onednn_available() -> bool:
     return built and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def resolve(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`EngineConfig.linear_backend` for this engine: "onednn" or "torch"."""
+def resolve(choice: str, device: torch.device, dtype: torch.dtype, copy_bytes: int = 0) -> str:
+    """`EngineConfig.linear_backend` for this engine: "onednn" or "torch". `auto` keeps torch's
+    linear when the packed copy (`copy_bytes`) would take more than half the memory free now:
+    a user's large model on a CPU box must load, faster or not."""
     if choice == "torch":
         return "torch"
     usable = device.type == "cpu" and dtype in PACKED_DTYPES and onednn_available()
@@ -47,7 +50,33 @@ def resolve(choice: str, device: torch.device, dtype: torch.dtype) -> str:
             f"linear_backend='onednn' needs a CPU model in float32 or bfloat16 and torch "
             f"with oneDNN; got {device.type} {dtype}"
         )
+    if choice == "auto" and usable and copy_bytes > free_memory_bytes() // 2:
+        logger.warning(
+            "linear layers stay on torch's matmul: their packed oneDNN copy (%.1f GB) would "
+            "take more than half the free memory (%.1f GB); linear_backend='onednn' forces it",
+            copy_bytes / 1e9,
+            free_memory_bytes() / 1e9,
+        )
+        return "torch"
     return "onednn" if usable else "torch"
+
+
+def linear_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights `pack_linears` would copy."""
+    return sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m.weight.dtype in PACKED_DTYPES
+    )
+
+
+def free_memory_bytes() -> int:
+    """Memory free now (Linux: not counting the page cache it could reclaim; so on the low
+    side), or a large number where the OS does not say."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 def pack_linears(model: torch.nn.Module) -> int:

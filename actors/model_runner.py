@@ -79,7 +79,9 @@ class ModelRunner:
         attention.register()
         model.set_attn_implementation(attention.ATTN_NAME)
         self.rotary = _request_rotary(model)
-        self.linear_backend = cpu_linear.resolve(config.linear_backend, self.device, self.dtype)
+        self.linear_backend = cpu_linear.resolve(
+            config.linear_backend, self.device, self.dtype, cpu_linear.linear_weight_bytes(model)
+        )
         if self.linear_backend == "onednn":
             cpu_linear.pack_linears(model)
         else:  # a model an earlier engine packed runs torch's linear again

@@ -60,3 +60,16 @@ def test_auto_picks_onednn_on_cpu_and_a_bad_name_is_refused() -> None:
         cpu_linear.resolve("onednn", torch.device("meta"), torch.float32)
     with pytest.raises(ValueError, match="linear_backend"):
         EngineConfig(linear_backend="mkl")  # type: ignore[arg-type]
+
+
+def test_auto_keeps_torch_when_the_packed_copy_would_not_fit(caplog) -> None:
+    cpu = torch.device("cpu")
+    free = cpu_linear.free_memory_bytes()
+    assert cpu_linear.resolve("auto", cpu, torch.float32, copy_bytes=free // 4) == "onednn"
+    with caplog.at_level("WARNING", logger="actors.cpu_linear"):
+        assert cpu_linear.resolve("auto", cpu, torch.float32, copy_bytes=free) == "torch"
+    assert "more than half the free memory" in caplog.text
+    assert cpu_linear.resolve("onednn", cpu, torch.float32, copy_bytes=free) == "onednn"
+    model = tiny_model("llama")
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert cpu_linear.linear_weight_bytes(model) == sum(w.numel() * 4 for w in weights)
