@@ -30,11 +30,12 @@ def _fix(batch: pa.Table) -> pa.Table:
     return batch.set_column(batch.schema.get_field_index("max_tokens"), "max_tokens", cleared)
 
 
-def test_retry_errors_reruns_only_the_error_rows(ray_cluster, tiny_model_dir):
+def prompt_rows():
+    """The prompts as a dataset; the BAD rows' max_tokens -1 makes them error rows."""
     import ray.data
 
     ids = list(PROMPTS)
-    ds = ray.data.from_arrow(
+    return ray.data.from_arrow(
         pa.table(
             {
                 "doc": ids,
@@ -43,6 +44,13 @@ def test_retry_errors_reruns_only_the_error_rows(ray_cluster, tiny_model_dir):
             }
         )
     )
+
+
+def test_retry_errors_reruns_only_the_error_rows(ray_cluster, tiny_model_dir):
+    import ray.data
+
+    ids = list(PROMPTS)
+    ds = prompt_rows()
     processor = build_processor(
         ProcessorConfig(
             engine=EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=16),
@@ -89,15 +97,7 @@ def test_retry_errors_with_samples_each_row_sample_once(ray_cluster, tiny_model_
     import ray.data
 
     ids = list(PROMPTS)
-    ds = ray.data.from_arrow(
-        pa.table(
-            {
-                "doc": ids,
-                "prompt": list(PROMPTS.values()),
-                "max_tokens": pa.array([-1 if i in BAD else None for i in ids], pa.int64()),
-            }
-        )
-    )
+    ds = prompt_rows()
     config = ProcessorConfig(
         engine=EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=16),
         sampling=SamplingParams(max_tokens=3, n=2),
