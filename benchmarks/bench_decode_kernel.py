@@ -3,14 +3,17 @@ tree's kernels against the same kernels as built from another git revision, in o
 
 Each case is `--seqs` sequences with key counts drawn uniformly from a range, SmolLM2-135M's
 geometry by default (9 query heads, 3 KV heads, head_dim 64, 16-token blocks), the blocks
-shuffled in one cache as the engine's allocator leaves them; the cache is several times the
-CPU's last-level cache, so each call reads its keys and values from memory as one layer of a
-decode step does (the last-level cache is flushed before each call). Per dtype and case, the
-two builds are called interleaved (rotating order) `--repeats` times on torch's threads; the
+shuffled in one cache (the worst case: the engine's allocator mostly hands a sequence
+consecutive blocks); the last-level cache is flushed before each call, so each call reads its
+keys and values from memory as one layer of a decode step does. Per dtype and case, the two
+builds are called interleaved (rotating order) `--repeats` times on torch's threads; the
 medians, the speed-up, the KV bytes read per second and the largest difference between the
-two builds' outputs are printed as JSON.
+two builds' outputs are printed as JSON. With `--engine N`, per dtype also the engine on N
+Alpaca chat prompts (bench_peers' set), its decode backend calling each build in turn: the
+`generate` seconds and the kernel's seconds within them.
 
-    python benchmarks/bench_decode_kernel.py --baseline bc051ba --json
+    RAYPACK_DATA_DIR=../shared/data python benchmarks/bench_decode_kernel.py --baseline bc051ba \\
+        --engine 175 --json
 """
 
 from __future__ import annotations
@@ -109,6 +112,60 @@ def run_case(
     return result
 
 
+class TimedKernel:
+    """A `PagedDecode` whose `run` (what the decode backends call) adds up its seconds."""
+
+    def __init__(self, kernel: kernels.PagedDecode) -> None:
+        self.kernel, self.dtype, self.seconds, self.calls = kernel, kernel.dtype, 0.0, 0
+
+    def run(self, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        self.kernel.run(*args, **kwargs)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+
+
+def run_engine(
+    builds: dict[str, kernels.PagedDecode], dname: str, prompt_set: str, prompts: int, repeats: int
+) -> dict[str, Any]:
+    """The engine (defaults, `dname`) on bench_peers' `alpaca` set (`prompts` chat prompts) or
+    its `prefix` set (8 documents x 16 questions), at most 64 new tokens, EOS stops, its
+    decode backend calling each build in turn (interleaved, rotating): per build the median
+    `generate` seconds and kernel seconds."""
+    from actors import EngineConfig, LLMEngine, SamplingParams
+    from actors.loader import load_tokenizer
+    from benchmarks.bench_job import alpaca_messages, prompt_ids
+    from benchmarks.peer_docs import prefix_messages
+
+    tokenizer = load_tokenizer("smollm2")
+    if prompt_set == "prefix":
+        rows = prefix_messages(tokenizer, 8, 1000, 16, 0)
+    else:
+        rows = alpaca_messages(prompts, 0)
+    ids = [prompt_ids(tokenizer, m) for _, m in rows]
+    engine = LLMEngine(EngineConfig(dtype=dname))  # type: ignore[arg-type]
+    decode = engine.runner.attention_backend.decode  # type: ignore[attr-defined]
+    engine.generate(ids[:2], SamplingParams(max_tokens=2))  # warm-up
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in builds}
+    names = list(builds)
+    for rep in range(repeats):
+        for name in names[rep % 2 :] + names[: rep % 2]:
+            decode.kernel = timed = TimedKernel(builds[name])
+            engine.reset_prefix_cache()
+            start = time.perf_counter()
+            engine.generate(ids, SamplingParams(max_tokens=64))
+            runs[name].append((time.perf_counter() - start, timed.seconds))
+            common.log(f"  engine {name}: {runs[name][-1]} ({timed.calls} kernel calls)")
+    return {
+        name: {
+            "median_generate_s": round(common.median([r[0] for r in rs]), 3),
+            "median_kernel_s": round(common.median([r[1] for r in rs]), 3),
+            "runs": [(round(a, 3), round(b, 3)) for a, b in rs],
+        }
+        for name, rs in runs.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default="main", help="git revision to compare against")
@@ -120,6 +177,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--engine",
+        type=int,
+        default=0,
+        help="also time both builds inside the engine on this many Alpaca prompts",
+    )
+    parser.add_argument("--engine-repeats", type=int, default=2)
+    parser.add_argument("--engine-set", choices=("alpaca", "prefix"), default="alpaca")
     parser.add_argument("--json", action="store_true", help="print the result JSON")
     parser.add_argument("--output", help="write the result JSON here")
     args = parser.parse_args()
@@ -140,6 +205,10 @@ def main() -> None:
                 common.log(f"{dname} {cname}: {keys[0]}-{keys[1]} keys x {args.seqs} seqs")
                 result[f"{dname}_{cname}"] = run_case(builds, case, args.repeats)
                 common.log(f"  {result[f'{dname}_{cname}']}")
+            if args.engine:
+                result[f"{dname}_engine_{args.engine_set}"] = run_engine(
+                    builds, dname, args.engine_set, args.engine, args.engine_repeats
+                )
     common.emit(result, args.json, args.output)
 
 
