@@ -1,13 +1,15 @@
 """CPU kernels compiled on first use: the paged decode attention (`paged_decode.c` in float32,
-`paged_decode_bf16.c` in bfloat16, each its own library).
+`paged_decode_bf16.c` in bfloat16, each its own library; both include the algorithm from
+`paged_decode_attend.h`).
 
 torch has no paged attention on CPU (its varlen kernel is CUDA only, and IPEX, which has
 one, last released for torch 2.8), so raypack ships one small C file and builds it with the
 machine's C compiler (`$CC`, else `cc`) into `~/.cache/raypack/kernels`
 (`$RAYPACK_CACHE_DIR/kernels`), then calls it through `ctypes` (no torch
-headers, so the build takes well under a second). The library is keyed by the source, the
-flags and the CPU's feature flags, because `-march=native` code must only run on the CPU it
-was built for (a home directory shared by unlike nodes keeps one build per kind of CPU).
+headers, so the build takes well under a second). The library is keyed by the source (and
+the headers beside it), the flags and the CPU's feature flags, because `-march=native` code
+must only run on the CPU it was built for (a home directory shared by unlike nodes keeps one
+build per kind of CPU).
 
 When no compiler works, `paged_decode_kernel` logs why once and returns None, and the
 engine's "auto" attention backend gathers decode blocks for SDPA instead (`actors.attention`):
@@ -192,7 +194,10 @@ def load_library(
         logger.warning("no C compiler on PATH: decode attention gathers blocks for SDPA")
         return None
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), _cpu_signature().encode()):
+    headers = sorted(source.parent.glob("*.h"))  # what the source may include
+    for part in (source.read_bytes(), *(h.read_bytes() for h in headers)):
+        key.update(part)
+    for part in (" ".join(FLAGS).encode(), _cpu_signature().encode()):
         key.update(part)
     target = cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():

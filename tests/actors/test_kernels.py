@@ -40,7 +40,9 @@ def reference(q, k_cache, v_cache, tables, seq_lens):
     return out
 
 
-def random_case(num_seqs, heads, kv_heads, dim, block_size, max_len, seed):
+def random_case(num_seqs, heads, kv_heads, dim, block_size, max_len, seed, lengths=None):
+    """Random query and caches; key counts `lengths`, else random ones with a single key and
+    a block-aligned count among them."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = num_seqs * -(-max_len // block_size) + 3
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
@@ -48,6 +50,8 @@ def random_case(num_seqs, heads, kv_heads, dim, block_size, max_len, seed):
     seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
     seq_lens[0] = 1  # one key only
     seq_lens[-1] = block_size * (max_len // block_size)  # ends on a block boundary
+    if lengths is not None:
+        seq_lens = torch.tensor(lengths)
     width = -(-int(seq_lens.max()) // block_size)
     # blocks in a shuffled order, each sequence's table padded with block 0
     order = torch.randperm(num_blocks, generator=gen)
@@ -75,6 +79,32 @@ def test_kernel_equals_sdpa(kernel, heads, kv_heads, dim, block_size, threads) -
     with torch_threads(threads):
         kernel(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, out)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, seq_lens))
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(8, 2, 128), (4, 4, 96), (2, 1, 256), (3, 3, 40)]
+)
+@pytest.mark.parametrize("num_seqs", [1, 2])
+def test_few_long_sequences_split_over_kv_heads(kernel, heads, kv_heads, dim, num_seqs) -> None:
+    """The kernel splits (sequence, kv head) pairs over the threads, so one sequence's heads
+    run on both; with the head sizes it compiles apart (96, 128, 256) and one it does not
+    (40), and the log-sum-exps it writes for the shared-prefix merge."""
+    lengths = [300, 263][:num_seqs]  # long, not block-aligned
+    q, k_cache, v_cache, tables, seq_lens = random_case(
+        num_seqs, heads, kv_heads, dim, 16, max_len=300, seed=dim + num_seqs, lengths=lengths
+    )
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((num_seqs, heads), float("nan"))
+    with torch_threads(2):
+        kernel(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, out, lse)
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, seq_lens))
+    _, block_size, _, _ = k_cache.shape
+    for i, length in enumerate(seq_lens.tolist()):
+        slots = torch.arange(length)
+        slots = tables[i, slots // block_size] * block_size + slots % block_size
+        k = k_cache.view(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("hd,thd->ht", q[i], k) * dim**-0.5
+        torch.testing.assert_close(lse[i], scores.logsumexp(-1))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
