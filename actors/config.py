@@ -70,6 +70,10 @@ class EngineConfig:
     # weights in memory); "torch": torch's F.linear as the model has it; "auto": onednn
     # where it applies, else torch (actors/cpu_linear.py)
     linear_backend: LinearBackendName = "auto"
+    # With the onednn linear: q/k/v as one packed matmul of the concatenated weights
+    # (actors/fused_linear.py), and Llama-style attention rotating q and k in one pass
+    # (actors/rotary_attention.py); the same tokens. False: one matmul per linear layer
+    fused_layers: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # "auto": the model's generation_config.json sampling values (temperature, top_p, top_k,
     # min_p, repetition_penalty) are the defaults of requests that do not set them, as vLLM's
