@@ -71,8 +71,9 @@ class EngineConfig:
     # where it applies, else torch (actors/cpu_linear.py)
     linear_backend: LinearBackendName = "auto"
     # With the onednn linear: q/k/v as one packed matmul of the concatenated weights
-    # (actors/fused_linear.py), and Llama-style attention rotating q and k in one pass
-    # (actors/rotary_attention.py); the same tokens. False: one matmul per linear layer
+    # (actors/fused_linear.py), Llama-style attention rotating q and k in one pass
+    # (actors/rotary_attention.py) and Llama-style layers as one function with fewer fresh
+    # tensors (actors/llama_layer.py); bit-identical. False: transformers' layers as they are
     fused_layers: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # "auto": the model's generation_config.json sampling values (temperature, top_p, top_k,

@@ -29,13 +29,14 @@ from transformers.models.llama import modeling_llama
 from actors.fused_linear import FusedProjection
 
 
-def _code_key(function: Any) -> tuple[Any, ...]:
+def code_key(function: Any) -> tuple[Any, ...]:
+    """What makes two Python functions the same code: bytecode, constants and names."""
     code = inspect.unwrap(function).__code__
     return code.co_code, code.co_consts, code.co_names, code.co_varnames
 
 
-_LLAMA_ATTENTION = _code_key(modeling_llama.LlamaAttention.forward)
-_LLAMA_ROTARY = _code_key(modeling_llama.apply_rotary_pos_emb)
+_LLAMA_ATTENTION = code_key(modeling_llama.LlamaAttention.forward)
+_LLAMA_ROTARY = code_key(modeling_llama.apply_rotary_pos_emb)
 
 
 class SignedSin:
@@ -59,10 +60,10 @@ def is_llama_attention(module: torch.nn.Module) -> bool:
     """The module's forward is transformers' `LlamaAttention.forward` (and its module's
     `apply_rotary_pos_emb` is Llama's), and its q/k/v share one fused projection."""
     forward = getattr(type(module), "forward", None)
-    if forward is None or _code_key(forward) != _LLAMA_ATTENTION:
+    if forward is None or code_key(forward) != _LLAMA_ATTENTION:
         return False
     rotary = getattr(inspect.getmodule(type(module)), "apply_rotary_pos_emb", None)
-    if rotary is None or _code_key(rotary) != _LLAMA_ROTARY:
+    if rotary is None or code_key(rotary) != _LLAMA_ROTARY:
         return False
     group = getattr(getattr(module, "q_proj", None), "_raypack_packed", None)
     return isinstance(group, FusedProjection) and group.members == 3

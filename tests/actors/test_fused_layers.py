@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors import SamplingParams, cpu_linear, rotary_attention
+from actors import SamplingParams, cpu_linear, llama_layer, rotary_attention
 from actors.fused_linear import FusedProjection
 from tests.actors.reference import assert_greedy_match, hf_greedy
 from tests.tiny_models import tiny_model
@@ -108,6 +108,8 @@ def test_greedy_matches_hf_fused_or_not(
     assert bool(_groups(engine.model)) == fused
     rotated = any(hasattr(m, "_raypack_rotary") for m in engine.model.modules())
     assert rotated == (fused and arch == "llama")
+    one_function = any(hasattr(m, "_raypack_layer") for m in engine.model.modules())
+    assert one_function == (fused and arch == "llama")
     outs = engine.generate(prompts, SamplingParams(max_tokens=12))
     for prompt, out in zip(prompts, outs, strict=True):
         ids = tokenizer.encode(prompt, add_special_tokens=False)
@@ -131,3 +133,20 @@ def test_a_later_engine_runs_the_model_as_its_own_config_says(make_engine) -> No
         tokenizer=engine.tokenizer,
     )
     assert not any(hasattr(m, "_raypack_packed") for m in model.modules())
+
+
+@torch.inference_mode()
+def test_one_function_llama_layer_is_bit_identical_and_only_where_all_is_llamas() -> None:
+    model = tiny_model("llama", num_layers=3)
+    ids = torch.randint(0, 49152, (1, 23), generator=torch.Generator().manual_seed(1))
+    assert llama_layer.install(model) == 0  # attention not on the one-pass rotary forward
+    cpu_linear.pack_linears(model, fuse=True)
+    rotary_attention.install(model)
+    expected = model(ids).logits
+    model.model.layers[1].mlp.register_forward_hook(lambda *args: None)  # hooked: left alone
+    assert llama_layer.install(model) == 2
+    assert not hasattr(model.model.layers[1], "_raypack_layer")
+    assert torch.equal(model(ids).logits, expected)
+    llama_layer.uninstall(model)
+    assert not any(hasattr(m, "_raypack_layer") for m in model.modules())
+    assert torch.equal(model(ids).logits, expected)
