@@ -70,6 +70,11 @@ class EngineConfig:
     # weights in memory); "torch": torch's F.linear as the model has it; "auto": onednn
     # where it applies, else torch (actors/cpu_linear.py)
     linear_backend: LinearBackendName = "auto"
+    # With the onednn linear: q/k/v as one packed matmul of the concatenated weights
+    # (actors/fused_linear.py), Llama-style attention rotating q and k in one pass
+    # (actors/rotary_attention.py) and Llama-style layers as one function with fewer fresh
+    # tensors (actors/llama_layer.py); bit-identical. False: transformers' layers as they are
+    fused_layers: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # "auto": the model's generation_config.json sampling values (temperature, top_p, top_k,
     # min_p, repetition_penalty) are the defaults of requests that do not set them, as vLLM's

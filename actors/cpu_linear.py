@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from actors import fused_linear
+
 logger = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -79,10 +81,16 @@ def free_memory_bytes() -> int:
         return 1 << 62
 
 
-def pack_linears(model: torch.nn.Module) -> int:
+def pack_linears(model: torch.nn.Module, fuse: bool = True) -> int:
     """Route every `nn.Linear` of `model` through oneDNN with its weight packed once; returns
-    how many. A layer already packed is left as it is (an engine built twice on one model)."""
+    how many. With `fuse`, sibling projections of one input (q/k/v, gate/up) share one packed
+    matmul (actors/fused_linear.py). A layer already packed is left as it is (an engine
+    built twice on one model)."""
     count = 0
+    if fuse:
+        for members in fused_linear.fusable_groups(model, PACKED_DTYPES):
+            fused_linear.fuse(members, BATCH_HINT)
+            count += len(members)
     for module in model.modules():
         if not isinstance(module, torch.nn.Linear) or hasattr(module, "_raypack_packed"):
             continue

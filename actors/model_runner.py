@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from actors import attention, cpu_linear
+from actors import attention, cpu_linear, llama_layer, rotary_attention
 from actors.config import EngineConfig
 from actors.kv_cache import allocate_kv_tensors
 from actors.request import Request
@@ -82,10 +82,15 @@ class ModelRunner:
         self.linear_backend = cpu_linear.resolve(
             config.linear_backend, self.device, self.dtype, cpu_linear.linear_weight_bytes(model)
         )
+        # The model runs as this config says, whatever an earlier engine on it did.
+        llama_layer.uninstall(model)
+        rotary_attention.uninstall(model)
+        cpu_linear.unpack_linears(model)
         if self.linear_backend == "onednn":
-            cpu_linear.pack_linears(model)
-        else:  # a model an earlier engine packed runs torch's linear again
-            cpu_linear.unpack_linears(model)
+            cpu_linear.pack_linears(model, fuse=config.fused_layers)
+            if config.fused_layers:
+                rotary_attention.install(model)
+                llama_layer.install(model)
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """Lay the step out as one flat sequence (decodes first; `actors.step_layout`)."""

@@ -91,14 +91,22 @@ def run_vllm(prompts: list[list[int]], args: argparse.Namespace, work: Path) -> 
 
 
 def run_engine(
-    prompts: list[list[int]], args: argparse.Namespace, linear_backend: str = "auto"
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    linear_backend: str = "auto",
+    fused_layers: bool = True,
 ) -> dict[str, Any]:
     """Our engine in this process: load seconds, each `generate` call's seconds, outputs."""
     import torch
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, linear_backend=linear_backend))  # type: ignore[arg-type]
+    config = EngineConfig(
+        dtype=args.dtype,
+        linear_backend=linear_backend,  # type: ignore[arg-type]
+        fused_layers=fused_layers,
+    )
+    engine = LLMEngine(config)
     loaded = time.perf_counter()
     params = SamplingParams(max_tokens=args.max_tokens)
     engine.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up (kernel, allocator)
@@ -195,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
         default="auto",
         help="the engine mode once per EngineConfig.linear_backend (auto, onednn, torch)",
     )
+    parser.add_argument(
+        "--fused-layers",
+        default="on",
+        help="the engine mode once per EngineConfig.fused_layers (on, off: `engine-unfused`)",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--shard-size", type=int, default=64, help="the job's rows per shard")
@@ -227,8 +240,10 @@ def main(argv: list[str] | None = None) -> None:
                 runs["vllm"] = run_vllm(prompts, args, work)
             if "engine" in modes:
                 for backend in args.linear_backends.split(","):
-                    key = "engine" if backend == "auto" else f"engine-{backend}"
-                    runs[key] = run_engine(prompts, args, backend)
+                    for fused in args.fused_layers.split(","):
+                        key = "engine" if backend == "auto" else f"engine-{backend}"
+                        key += "" if fused == "on" else "-unfused"
+                        runs[key] = run_engine(prompts, args, backend, fused == "on")
             if "job" in modes:
                 runs["job"] = run_jobs(rows, args, work)
             reference = runs["vllm"]["outputs"] if "vllm" in runs else None

@@ -1,0 +1,146 @@
+"""Llama-style decoder layers in one Python function, with fewer fresh tensors.
+
+transformers' `LlamaDecoderLayer.forward` calls eight modules per layer (two RMSNorms, the
+attention, its projections, the MLP's three linears and its activation), each through
+`nn.Module.__call__`, and allocates a fresh tensor for every intermediate (the norm's
+`variance + eps` and `rsqrt`, both residual sums, the SiLU product). Here one function does
+the same arithmetic on the same operands: the norm's eps and rsqrt and the weight product in
+place, the residuals added into the fresh sublayer outputs (`a + b == b + a` in IEEE), SiLU
+and its product in place on the fresh gate output. Every element is the same rounded result,
+so the tokens are bit-identical (tested against transformers' layer).
+
+Applied per layer, only where all of it is transformers' Llama code: the layer's forward is
+`LlamaDecoderLayer.forward` (the same bytecode), its norms' forwards `LlamaRMSNorm.forward`,
+its MLP's `LlamaMLP.forward` with SiLU, its attention the one-pass rotary forward
+(actors/rotary_attention.py), no hooks on any of them, float32 weights; anything else keeps
+transformers' forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.models.llama import modeling_llama
+
+from actors.rotary_attention import code_key
+
+_LAYER = code_key(modeling_llama.LlamaDecoderLayer.forward)
+_NORM = code_key(modeling_llama.LlamaRMSNorm.forward)
+_MLP = code_key(modeling_llama.LlamaMLP.forward)
+
+
+def _plain(module: Any, key: tuple[Any, ...]) -> bool:
+    forward = getattr(type(module), "forward", None)
+    return (
+        forward is not None
+        and code_key(forward) == key
+        and "forward" not in vars(module)
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+    )
+
+
+def is_llama_layer(layer: torch.nn.Module) -> bool:
+    """Everything `install` replaces is transformers' Llama code, unhooked, in float32."""
+    forward = getattr(type(layer), "forward", None)
+    if forward is None or code_key(forward) != _LAYER or layer._forward_hooks:
+        return False
+    norms = [
+        getattr(layer, "input_layernorm", None),
+        getattr(layer, "post_attention_layernorm", None),
+    ]
+    mlp = getattr(layer, "mlp", None)
+    attn = getattr(layer, "self_attn", None)
+    return (
+        all(n is not None and _plain(n, _NORM) and n.weight.dtype == torch.float32 for n in norms)
+        and mlp is not None
+        and _plain(mlp, _MLP)
+        and type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU")
+        and attn is not None
+        and hasattr(attn, "_raypack_rotary")
+        and not attn._forward_hooks
+        and not attn._forward_pre_hooks
+        and not any(
+            m._forward_hooks or m._forward_pre_hooks
+            for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj, attn.o_proj)
+        )
+    )
+
+
+def install(model: torch.nn.Module) -> int:
+    """Give every `is_llama_layer` layer of `model` the one-function forward; how many."""
+    if torch.nn.modules.module._global_forward_hooks or (
+        torch.nn.modules.module._global_forward_pre_hooks
+    ):
+        return 0  # a global hook must see every module call
+    count = 0
+    for module in model.modules():
+        if is_llama_layer(module):
+            module.forward = _forward(module)
+            module._raypack_layer = True  # type: ignore[assignment]
+            count += 1
+    return count
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    """Every layer back on its class's forward."""
+    for module in model.modules():
+        if hasattr(module, "_raypack_layer"):
+            del module._raypack_layer
+            del module.forward
+
+
+def _rms_norm(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    weight, eps = norm.weight, norm.variance_epsilon
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return norm(x)  # type: ignore[no-any-return]
+        variance = x.pow(2).mean(-1, keepdim=True)
+        variance += eps
+        out = x * variance.rsqrt_()
+        out *= weight
+        return out
+
+    return forward
+
+
+def _forward(layer: Any) -> Callable[..., torch.Tensor]:
+    input_norm = _rms_norm(layer.input_layernorm)
+    post_norm = _rms_norm(layer.post_attention_layernorm)
+    attention = layer.self_attn.forward
+    gate, up, down = (
+        layer.mlp.gate_proj.forward,
+        layer.mlp.up_proj.forward,
+        layer.mlp.down_proj.forward,
+    )
+
+    def forward(
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        attended, _ = attention(
+            hidden_states=input_norm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        attended += hidden_states  # the residual
+        normed = post_norm(attended)
+        act = torch.nn.functional.silu(gate(normed), inplace=True)
+        act *= up(normed)
+        out: torch.Tensor = down(act)
+        out += attended  # the residual
+        return out
+
+    return forward
