@@ -60,21 +60,26 @@ def ray_temp_dir() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def ray_local(ray_temp_dir: str) -> None:
     """A local Ray with 2 CPUs, started by the folder's first module that needs it and kept
-    for the next ones (a start and a shutdown cost 4-5 s each time); started again after
-    test_two_nodes.py's own cluster ended it."""
+    for the next ones (a start and a shutdown cost 4-5 s each time). A pp engine across two
+    nodes is checked in tests/pipeline/two_node_job.py's cluster."""
     import ray
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, _temp_dir=ray_temp_dir, include_dashboard=False, log_to_driver=False)
 
 
-@pytest.fixture(scope="package")
-def prompts_and_groups():
+def shared_prefix_ids():
     """Token ids of prompts sharing long prefixes, and prefix groups over them."""
     tokenizer = load_tokenizer("smollm2")
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in shared_prefix_prompts()]
     ids = [p[:80] for p in ids]  # keep steps small on a shared 2-core box
     return ids, prefix_groups_for(ids)
+
+
+@pytest.fixture(scope="package")
+def prompts_and_groups():
+    """shared_prefix_ids, once for the folder."""
+    return shared_prefix_ids()
 
 
 def engine_config(model_dir: Path, **overrides) -> EngineConfig:
