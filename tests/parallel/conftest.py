@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -117,3 +118,32 @@ def assert_same_tokens(model_dir: Path, prompts, got, expected) -> None:
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for ids, g, e in zip(prompts, got, expected, strict=True):
         assert_greedy_match(reference, ids, g, e)
+
+
+def steps_run(runner: Any) -> int:
+    """The engine's step counter (a compiled graph's executor keeps the one counter)."""
+    return int(getattr(runner, "executor", runner)._step)
+
+
+def assert_killed_worker_fails_loudly(engine: LLMEngine, stage: int, rank: int, prompts, groups):  # noqa: ANN001
+    """Kill worker (stage, rank) in the engine's third step from now: the step fails with a
+    WorkerFailedError naming the worker and the step, the engine refuses further steps, and
+    the placement group is released. No hang: the test's timeout is the guard (no wall-clock
+    bound asserted)."""
+    import ray
+
+    from actors.parallel.executor import WorkerFailedError
+
+    crash = steps_run(engine.runner) + 3
+    ray.get(engine.runner.workers[stage][rank].crash_at_step.remote(crash))
+    # With pp, step crash-1's reply may still be unsent when the worker exits (os._exit drops
+    # it), so the engine can meet the death on that step, the one it was collecting.
+    steps = f"({crash - 1}|{crash})" if len(engine.runner.workers) > 1 else str(crash)
+    with pytest.raises(
+        WorkerFailedError, match=f"stage {stage} tp rank {rank} failed in step {steps}\\b"
+    ):
+        engine.generate(prompts, SamplingParams(max_tokens=4), groups)
+    with pytest.raises(WorkerFailedError, match="shut down"):  # no half-alive engine
+        engine.step()
+        engine.step()
+    assert all(s["state"] == "REMOVED" for s in ray.util.placement_group_table().values())
