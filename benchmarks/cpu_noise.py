@@ -52,11 +52,11 @@ CASES = {  # name -> (what runs beside the engine, the engine's niceness)
 RAY_NODE_SETTLE_S = 5.0  # after the node's pipeline: its tasks' workers go idle
 
 
-def ray_node(waiting: bool) -> None:
+def ray_node() -> None:
     """Start Ray as bench_job.py does and run a small Ray Data pipeline with an actor pool
-    (its detached actors stay up); with `waiting`, start another whose one task never ends,
-    so Ray Data's executor keeps looping in this process as it does in a job's driver. Say
-    "ready" and sleep until killed."""
+    (its detached actors stay up), say "ready" and sleep until killed. Told "wait" on stdin
+    meanwhile, start another pipeline whose one task never ends, so Ray Data's executor keeps
+    looping in this process as it does in a job's driver, and say "waiting"."""
     import threading
 
     import ray
@@ -75,13 +75,14 @@ def ray_node(waiting: bool) -> None:
             return batch
 
     ray.data.range(64).map_batches(Double, concurrency=1, num_cpus=0.1).materialize()
-    if waiting:
-        pipeline = ray.data.range(1).map_batches(Wait, concurrency=1, num_cpus=0.1)
-        threading.Thread(target=pipeline.materialize, daemon=True).start()
-        time.sleep(RAY_NODE_SETTLE_S)  # its actor up, its one task running
     print("ready", flush=True)
-    try:
-        time.sleep(3600)  # ray.init's SIGTERM handler raises SystemExit here
+    try:  # ray.init's SIGTERM handler raises SystemExit in the read or the sleep
+        if sys.stdin.readline().strip() == "wait":  # "" at once when stdin is not a pipe
+            pipeline = ray.data.range(1).map_batches(Wait, concurrency=1, num_cpus=0.1)
+            threading.Thread(target=pipeline.materialize, daemon=True).start()
+            time.sleep(RAY_NODE_SETTLE_S)  # its actor up, its one task running
+            print("waiting", flush=True)
+        time.sleep(3600)
     finally:
         end_ray_node()
 
@@ -143,6 +144,15 @@ def alpaca(num_prompts: int) -> tuple[str, list[list[int]]]:
     return EMBEDDED_NAME, [prompt_ids(tokenizer, m) for _, m in alpaca_messages(num_prompts, 0)]
 
 
+def ray_node_says(node: subprocess.Popen, line: str, told: str | None = None) -> bool:
+    """Whether the `--ray-node` process says `line` next (after being told `told`)."""
+    if told is not None:
+        assert node.stdin is not None
+        node.stdin.write(told + "\n")
+        node.stdin.flush()
+    return node.stdout is not None and node.stdout.readline().strip() == line
+
+
 def run_case(name: str, args: argparse.Namespace, prompts_file: Path) -> dict[str, float]:
     """`name`'s measurement in a fresh process (a niceness cannot be lowered again)."""
     beside, nice = CASES[name]
@@ -154,12 +164,16 @@ def run_case(name: str, args: argparse.Namespace, prompts_file: Path) -> dict[st
             for _ in range(args.noise_procs)
         ]
     elif beside in ("ray", "ray-data-waiting"):
-        node_args = ["--ray-node"] + (["waiting"] if beside == "ray-data-waiting" else [])
         node = subprocess.Popen(
-            [sys.executable, __file__, *node_args], stdout=subprocess.PIPE, text=True
+            [sys.executable, __file__, "--ray-node"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         procs = [node]
-        if node.stdout is None or node.stdout.readline().strip() != "ready":
+        if not ray_node_says(node, "ready") or (
+            beside == "ray-data-waiting" and not ray_node_says(node, "waiting", "wait")
+        ):
             node.kill()
             raise RuntimeError(f"the Ray node of {name!r} did not start")
         time.sleep(RAY_NODE_SETTLE_S)
@@ -184,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         burn(*(float(a) for a in argv[1:4]))
         return
     if argv and argv[0] == "--ray-node":
-        ray_node(waiting=argv[1:2] == ["waiting"])
+        ray_node()
         return
     if argv and argv[0] == "--measure":
         spec = json.loads(Path(argv[1]).read_text())

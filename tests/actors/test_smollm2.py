@@ -34,7 +34,9 @@ def expected(reference, prompt_ids) -> list[list[int]]:
     return [hf_greedy(reference, ids, MAX_TOKENS) for ids in prompt_ids]
 
 
-@pytest.mark.parametrize("chunk_size", [7, 32, None])
+# Chunked prefill (7: many chunk boundaries, a chunk ending inside the shared prefix) and
+# none; a chunk of 32 went the same chunked path with fewer boundaries.
+@pytest.mark.parametrize("chunk_size", [7, None])
 @pytest.mark.parametrize("grouped", [False, True], ids=["no-groups", "groups"])
 def test_smollm2_greedy_matches_hf_generate(
     tokenizer, reference, prompt_ids, expected, chunk_size, grouped

@@ -53,26 +53,35 @@ def test_the_measuring_child_reports_every_step_of_its_prompts(tmp_path: Path):
     assert result["step_s"] > 0
 
 
+def node_processes(node: subprocess.Popen) -> tuple[list[psutil.Process], str]:
+    """The node's processes and their command lines."""
+    processes = psutil.Process(node.pid).children(recursive=True)
+    return processes, " ".join(" ".join(p.cmdline()) for p in processes if p.is_running())
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("waiting", [False, True], ids=["idle", "waiting"])
-def test_the_ray_node_has_ray_datas_actors_up_and_goes_when_told(waiting: bool):
+def test_the_ray_node_has_ray_datas_actors_up_and_goes_when_told():
+    """One node shows both states: idle after its first pipeline, then told to wait (one Ray
+    start instead of one per state)."""
     temp_dir = tempfile.mkdtemp(prefix="rpn", dir="/tmp")  # short: Ray's socket paths
     node = subprocess.Popen(
-        [sys.executable, cpu_noise.__file__, "--ray-node", *(["waiting"] if waiting else [])],
+        [sys.executable, cpu_noise.__file__, "--ray-node"],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "RAY_TMPDIR": temp_dir},
     )
     try:
-        assert node.stdout is not None
-        assert node.stdout.readline().strip() == "ready"
-        processes = psutil.Process(node.pid).children(recursive=True)
-        names = " ".join(" ".join(p.cmdline()) for p in processes if p.is_running())
+        assert cpu_noise.ray_node_says(node, "ready")
+        _, names = node_processes(node)
         # the detached actors of Ray Data that a job leaves on a node, and the node itself
         for name in ("ray::_StatsActor", "ray::ActorLocationTracker", "raylet"):
             assert name in names
-        # the waiting pipeline's actor holds its one task; the idle node's pipeline is over
-        assert ("MapBatches(Wait)" in names) == waiting
+        assert "MapBatches(Wait)" not in names  # idle: its pipeline is over
+        assert cpu_noise.ray_node_says(node, "waiting", "wait")
+        processes, names = node_processes(node)
+        assert "ray::_StatsActor" in names
+        assert "MapBatches(Wait)" in names  # the waiting pipeline's actor holds its one task
         node.terminate()
         assert node.wait(timeout=60) is not None
         _, alive = psutil.wait_procs(processes, timeout=30)

@@ -89,11 +89,18 @@ def _host_in_group(bundles):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_tp_engine_uses_its_actors_group(ray_local, llama_dir, prompts_and_groups) -> None:
+def test_tp_engine_uses_its_actors_group_and_refuses_one_too_small(
+    ray_local, llama_dir, prompts_and_groups
+) -> None:
     prompts, groups = prompts_and_groups
     config = engine_config(llama_dir, tensor_parallel_size=2)
     pg, host = _host_in_group(placement.worker_bundles(2, 0.25, False, ENGINE_SHARE))
     try:
+        # A group too small for the workers (4 of tp 2 x pp 2 in 2 bundles) is a clear error
+        # before any worker starts; the same actor then runs the engine that fits.
+        too_many = engine_config(llama_dir, tensor_parallel_size=2, pipeline_parallel_size=2)
+        with pytest.raises(ValueError, match="has 2 bundles and the engine needs one per worker"):
+            ray.get(host.build.remote(too_many), timeout=90)
         info = ray.get(host.run.remote(config, prompts, groups), timeout=180)
         assert info["same_group"] and not info["owns"]
         assert info["groups_while_running"] == 1  # no second group reserved
@@ -103,15 +110,3 @@ def test_tp_engine_uses_its_actors_group(ray_local, llama_dir, prompts_and_group
         remove_placement_group(pg)
     expected = run_engine(engine_config(llama_dir), prompts, groups)
     assert_same_tokens(llama_dir, prompts, info["tokens"], expected)
-
-
-@pytest.mark.timeout(120)
-def test_a_group_too_small_for_the_workers_is_a_clear_error(ray_local, llama_dir) -> None:
-    pg, host = _host_in_group([{"CPU": 0.5}])
-    try:
-        config = engine_config(llama_dir, tensor_parallel_size=2)
-        with pytest.raises(ValueError, match="has 1 bundles and the engine needs one per worker"):
-            ray.get(host.build.remote(config), timeout=90)
-    finally:
-        ray.kill(host)
-        remove_placement_group(pg)

@@ -23,6 +23,12 @@ SIZES = {"tp": ("tensor_parallel_size", TENSOR_PARALLEL_MODEL_TYPES),
 RUNS = [(k, n) for k, (_, kinds) in SIZES.items() for n, (t, _) in MATRIX.items() if t in kinds]
 # pp runs of what tp already ran add little: pp only for the types tp refuses
 RUNS = [(k, n) for k, n in RUNS if k == "tp" or MATRIX[n][0] not in TENSOR_PARALLEL_MODEL_TYPES]
+# The rope variants of a type (llama3_rope, qwen2_yarn) take the same parallel path as the
+# type: the stage's rotary rebuilt from the model's config and rope parameters
+# (actors/parallel/weights.py), run with a scaled rope by test_rope_parallel.py (dynamic
+# llama at tp=2 and pp=2, longrope phi3 at pp=2); their rope math is the single-process
+# engine's (tests/actors/test_architectures.py), which these runs compare against.
+RUNS = [(k, n) for k, n in RUNS if "rope_parameters" not in MATRIX[n][1]]
 REFUSED = [
     (k, n) for k, (_, kinds) in SIZES.items() for n, (t, _) in MATRIX.items() if t not in kinds
 ]
