@@ -2,9 +2,10 @@
 
 `ray.shutdown()` of a local Ray takes ~1.5 s on a 2-core machine, most of it waiting for its
 processes (GCS, raylet, dashboard) to exit after SIGTERM. The job's summary and `_report.png`
-(~0.7 s, matplotlib) need no Ray, so the command starts the shutdown in a thread as soon as
-`run_job` is done with Ray (its `ray_done`) and joins it after the report: the tail costs the
-longer of the two, not their sum.
+(0.4-0.7 s, matplotlib) need no Ray, so the command starts the shutdown in a thread as soon as
+`run_job` is done with Ray (its `ray_done`) and joins it after the report, so most of the
+report comes off the tail (0.2-0.3 s of its 0.4 s on a 2-core box: the shutdown itself is a
+little slower beside it; docs/benchmarks.md, Start-up).
 """
 
 from __future__ import annotations
