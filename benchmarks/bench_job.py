@@ -43,6 +43,7 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from benchmarks.cpu_share import CpuSampler  # noqa: E402
+from pipeline.commands.shutdown import RayShutdown  # noqa: E402
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig  # noqa: E402
 from pipeline.job.run import run_job  # noqa: E402
 from pipeline.stages.infer import InferStage  # noqa: E402
@@ -87,7 +88,11 @@ def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
 
 
 def engine_alone(
-    rows: list, params: SamplingParams, threads: int, sampler: CpuSampler | None = None
+    rows: list,
+    params: SamplingParams,
+    threads: int,
+    sampler: CpuSampler | None = None,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """All prompts through one `generate` call; its wall time, tokens and outputs by id
     (and with a `sampler`, the cores each process held during the call)."""
@@ -95,7 +100,7 @@ def engine_alone(
 
     torch.set_num_threads(threads)
     started = time.perf_counter()
-    engine = LLMEngine(EngineConfig())
+    engine = LLMEngine(EngineConfig(dtype=dtype))
     prompts = [prompt_ids(engine.tokenizer, m) for _, m in rows]
     engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up (kernel, allocator)
     warm = engine.stats
@@ -191,6 +196,7 @@ def run_one_job(
     steps_file: Path,
     threads: int,
     sampler: CpuSampler | None = None,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """One job on a fresh local Ray; its wall time, breakdown, engine steps and outputs (and
     with a `sampler`, the cores each process held while the engine stepped)."""
@@ -205,7 +211,7 @@ def run_one_job(
         input=InputConfig(str(table)),
         prompt=PromptConfig(messages_column="messages"),
         output=str(output),
-        engine=EngineConfig(),
+        engine=EngineConfig(dtype=dtype),
         sampling=params,
         plan=PlanConfig(max_rows_per_shard=shard_size),
         compute=ComputeConfig(torch_threads=threads),
@@ -218,11 +224,19 @@ def run_one_job(
         spans.update(operator_spans(ds))
 
     ray_up = time.perf_counter()
+    # As `raypack generate` ends its own Ray: shut down beside the summary and report.
+    shutdown = RayShutdown()
     try:
-        summary = run_job(config, infer_cls=step_recording_stage(steps_file), on_written=written)
+        summary = run_job(
+            config,
+            infer_cls=step_recording_stage(steps_file),
+            on_written=written,
+            ray_done=shutdown.start,
+        )
         returned = time.perf_counter()
     finally:
-        ray.shutdown()
+        if shutdown.wait() is None:  # the job failed before it was done with Ray
+            ray.shutdown()
     ended = time.perf_counter()
     out = pq.read_table(output, columns=["id", "generated_token_ids", "num_prompt_tokens"])
     steps = json.loads(steps_file.read_text())
@@ -249,7 +263,7 @@ def run_one_job(
             "after_last_step": round(ended - last_step, 2),  # last write, summary, report
             "last_step_to_written": round(marks["written"] - last_step, 2),
             "written_to_return": round(returned - marks["written"], 2),  # summary, report
-            "ray_shutdown": round(ended - returned, 2),
+            "ray_shutdown_after_return": round(ended - returned, 2),  # begun before it
         },
         "rows": out.num_rows,
         "summary_rows": summary.rows,
@@ -280,6 +294,12 @@ def main(argv: list[str] | None = None) -> None:
         help="torch threads of the engine, alone and in the job (the job's own default is "
         "the same: the cluster's CPUs over its engine actors); fewer than the cores leaves "
         "the rest to Ray and the pipeline, as on a GPU node",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="the engine's dtype, alone and in the job (auto: bfloat16 only on a CPU with "
+        "native bf16; float32 is the exactness dtype)",
     )
     parser.add_argument("--steps-file", help="write running sequences per step (JSON) here")
     parser.add_argument("--plot", help="draw running sequences per step to this PNG")
@@ -312,13 +332,20 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for rep in range(args.repeats):
             if not args.no_alone:
-                alone_runs.append(engine_alone(rows, params, args.threads, sampler))
+                alone_runs.append(engine_alone(rows, params, args.threads, sampler, args.dtype))
                 print(f"rep {rep}: engine alone {alone_runs[-1]['generate_s']} s", file=sys.stderr)
             for size in sizes:
                 key, out = str(size), work / f"out-{size}-{rep}"
                 jobs[key].append(
                     run_one_job(
-                        table, out, size, params, work / "steps.json", args.threads, sampler
+                        table,
+                        out,
+                        size,
+                        params,
+                        work / "steps.json",
+                        args.threads,
+                        sampler,
+                        args.dtype,
                     )
                 )
                 print(f"rep {rep}: job {key} {jobs[key][-1]['wall_s']} s", file=sys.stderr)
@@ -348,6 +375,7 @@ def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[str, lis
     result: dict[str, Any] = {
         "prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
         "repeats": args.repeats,
         "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
         "jobs": {},

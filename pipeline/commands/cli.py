@@ -19,6 +19,7 @@ from actors.config import SamplingParams
 from pipeline.commands import console
 from pipeline.commands.console import ConsoleOptions
 from pipeline.commands.guided_flags import add_guided_args, guided_from_args
+from pipeline.commands.shutdown import RayShutdown
 from pipeline.config import (
     ComputeConfig,
     FilesConfig,
@@ -382,6 +383,7 @@ def run(
         print(f"error: {exc}", file=sys.stderr)
         return 2
     clock.mark("checked")
+    shutdown = RayShutdown()
     with folder:
         console.filter_forwarded_logs()
         connected = connect_ray(num_cpus, logging.INFO if options.verbose else logging.WARNING)
@@ -391,18 +393,24 @@ def run(
         try:
             with console.filter_stderr():
                 summary = run_job(
-                    config, prepared=prepared, folder=folder, watch=watch, clock=clock
+                    config,
+                    prepared=prepared,
+                    folder=folder,
+                    watch=watch,
+                    clock=clock,
+                    # our own Ray goes down beside the summary and report (else the
+                    # caller's Ray stays)
+                    ray_done=shutdown.start if connected else None,
                 )
         except NoRoomError as exc:  # actors the cluster can never hold: before any work
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    if connected:  # else the caller's Ray; ours would go at exit, untimed
-        import ray
-
-        stopping = time.perf_counter()
-        ray.shutdown()
-        shutdown = round(time.perf_counter() - stopping, 2)
-        summary = replace(summary, phases_s={**summary.phases_s, "shutdown": shutdown})
+    reported = time.perf_counter()
+    seconds = shutdown.wait()
+    if seconds is not None:
+        waited = round(time.perf_counter() - reported, 2)
+        phases = {**summary.phases_s, "shutdown": seconds, "shutdown_wait": waited}
+        summary = replace(summary, phases_s=phases)
     print(console.summary_text(summary, as_json))
     return 0
 

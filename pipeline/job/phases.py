@@ -15,14 +15,20 @@ The phases, in seconds (a phase whose marks are missing is left out, e.g. `impor
     ray_start     -> Ray connected (a local one started)
     read_plan     the job's start -> the last partition planned (read, ids, tokenize, plan)
     engine_start  the job's start -> an engine actor's constructor runs (Ray starts the
-                  actor's process, which imports torch and transformers)
+                  actor's process, which imports torch and transformers), in two parts:
+    engine_process  the job's start -> the actor's process started (0 when Ray gave it a
+                  worker started earlier)
+    engine_imports  -> its constructor runs: Ray's worker start-up, Ray Data's, the stage's
+                  module (torch, transformers, the engine) and its arguments unpickled
     engine_load   -> its engine is loaded (the model, the KV pool)
     first_step    the later of the two above -> the first engine step starts
     to_first_step the process's start (else the job's) -> the first engine step
     steps         the first step's start -> the last step's end
     last_write    the last step's end -> the output written (the last shard's file)
     report        -> the summary and `_report.png` written
-    shutdown      Ray's shutdown by the command (not in `_summary.json`: it comes after)
+    shutdown      Ray's shutdown by the command (not in `_summary.json`: it comes after),
+                  begun as soon as the job is done with Ray, beside the summary and report
+    shutdown_wait -> of it, what was left after the report (what the exit waited for)
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ def process_start() -> float | None:
 class EngineMarks:
     """One engine actor's marks (`time.time()`; None until they happen)."""
 
+    process: float | None = None  # its process started (process_start)
     constructed: float | None = None  # its stage's constructor started
     loaded: float | None = None  # its engine loaded
     first_step: float | None = None  # its first step started
@@ -63,6 +70,7 @@ class EngineMarks:
             return min((x for x in (a, b) if x is not None), default=None)
 
         return EngineMarks(
+            process=first(self.process, other.process),
             constructed=first(self.constructed, other.constructed),
             loaded=first(self.loaded, other.loaded),
             first_step=first(self.first_step, other.first_step),
@@ -88,7 +96,7 @@ class JobClock:
         """The phases (module docstring) these marks and the engines' give, in seconds."""
         m = dict(self.marks)
         if engine is not None:
-            for name in ("constructed", "loaded", "first_step", "last_step"):
+            for name in ("process", "constructed", "loaded", "first_step", "last_step"):
                 value = getattr(engine, name)
                 if value is not None:
                     m[f"engine_{name}"] = value
@@ -103,6 +111,8 @@ class JobClock:
         span("ray_start", "checked", "ray_up")
         span("read_plan", "job", "planned")
         span("engine_start", "job", "engine_constructed")
+        span("engine_process", "job", "engine_process")
+        span("engine_imports", "engine_process", "engine_constructed")
         span("engine_load", "engine_constructed", "engine_loaded")
         if "planned" in m and "engine_loaded" in m:
             m["ready"] = max(m["planned"], m["engine_loaded"])
@@ -133,6 +143,8 @@ def phases_line(phases: dict[str, float]) -> str:
         )
     )
     tail = parts((("last_write", "write"), ("report", "report"), ("shutdown", "shutdown")))
+    if "shutdown_wait" in phases:  # the shutdown ran beside the report
+        tail += f" ({phases['shutdown_wait']:.1f} after the report)"
     out = []
     if "to_first_step" in phases:
         out.append(f"first step at {phases['to_first_step']:.1f}s ({start})")

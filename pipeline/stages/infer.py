@@ -39,7 +39,7 @@ from actors.config import EngineConfig, SamplingParams
 from actors.loader import ResolvedModel
 from actors.outputs import RequestOutput
 from actors.parallel.executor import WorkerFailedError
-from pipeline.job.phases import EngineMarks
+from pipeline.job.phases import EngineMarks, process_start
 from pipeline.job.progress import ProgressReporter
 from pipeline.stages import group_columns, stage
 from pipeline.stages.feed import EngineFeed
@@ -85,7 +85,7 @@ class InferStage(Stage):
         timeline=None,  # noqa: ANN001 (actor handle of pipeline.io.report.StatsCollector)
     ):
         # The job's phases (pipeline/job/phases.py): this actor's marks go to `timeline`.
-        self.marks = EngineMarks(constructed=time.time())
+        self.marks = EngineMarks(process=process_start(), constructed=time.time())
         self.timeline = timeline
         setup_worker_logging()
         if torch_threads:
