@@ -63,6 +63,12 @@ def add_engine_flags(
         help="the model's linear layers: onednn (CPU, weights packed once; a copy of them in "
         "memory), torch (F.linear), auto: onednn on CPU in float32/bfloat16, else torch",
     )
+    g.add_argument(
+        "--no-fused-layers",
+        action="store_true",
+        help="transformers' decoder layers as they are (default: with the onednn linear, q/k/v "
+        "as one matmul and Llama-style layers as one function; the same logits, faster)",
+    )
     g.add_argument("--max-model-len", type=int, help="context length cap (default: the model's)")
     g.add_argument(
         "--generation-config",
@@ -149,5 +155,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
         values["tpot_target_s"] = args.tpot_target_ms / 1e3
     if hasattr(args, "no_shared_prefix_attention"):
         values["shared_prefix_attention"] = not args.no_shared_prefix_attention
+    if hasattr(args, "no_fused_layers"):
+        values["fused_layers"] = not args.no_fused_layers
     values.update(overrides)
     return EngineConfig(**values)

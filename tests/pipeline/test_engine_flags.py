@@ -28,6 +28,7 @@ def test_parallel_and_engine_flags() -> None:
         *("--placement-strategy", "SPREAD", "--worker-num-cpus", "0.25", "--chunk-size", "7"),
         *("--max-num-batched-tokens", "48", "--no-prefix-caching", "--dtype", "bfloat16"),
         "--no-shared-prefix-attention",
+        "--no-fused-layers",
     )
     config = engine_config_from_args(args, seed=5)
     assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (2, 3)
@@ -39,6 +40,7 @@ def test_parallel_and_engine_flags() -> None:
     )
     assert not config.enable_prefix_caching and config.dtype == "bfloat16"
     assert not config.shared_prefix_attention and EngineConfig().shared_prefix_attention
+    assert not config.fused_layers and EngineConfig().fused_layers
     assert config.model == "/m" and config.seed == 5
 
 
