@@ -314,6 +314,9 @@ def job_sampling(args: argparse.Namespace) -> SamplingParams:
         for name in ("temperature", "top_k", "top_p", "repetition_penalty")
         if getattr(args, name, None) is not None
     }
+    # Checked first: a bad guided flag exits 2 without reading the model (whose loader
+    # imports torch), and is never reported as the model's generation config's fault.
+    guided = guided_from_args(args)
     mode = getattr(args, "generation_config", "auto")
     try:
         model = generation_defaults.folder_defaults(args.model, mode)
@@ -328,7 +331,7 @@ def job_sampling(args: argparse.Namespace) -> SamplingParams:
             ignore_eos=args.ignore_eos,
             n=args.n,
             best_of=args.best_of,
-            guided_decoding=guided_from_args(args),
+            guided_decoding=guided,
             **{**model, **given},
         )
     except ValueError as exc:
@@ -363,14 +366,16 @@ def run(
     """Check, connect, run, print the summary. Bad input exits 2 with the reason, before Ray
     starts. What it prints besides: pipeline/commands/console.py. The summary has the job's phases
     (pipeline/job/phases.py), this command's Ray shutdown among them."""
-    from pipeline.job.run import claim_output, prepare, run_job
-
     clock = JobClock()
     clock.mark("command")
     options = console_options or ConsoleOptions()
     console.quiet_command(options)
     try:
         config = config_fn()
+        # Imported after the flags are checked: the job's module imports the engine's stages
+        # (torch, ~3 s of CPU), which a bad flag value never needs.
+        from pipeline.job.run import claim_output, prepare, run_job
+
         prepared = prepare(config)
         if options.dry_run:  # before the folder is claimed: a dry run writes nothing
             from pipeline.job.dry_run import dry_run

@@ -22,6 +22,7 @@ from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, P
 from pipeline.io.output import LOCK_FILE, STALE_S, OutputBusyError, OutputFolder, check_output
 from pipeline.io.read import check_input, resolve_input
 from pipeline.stages.prompts import RowError, merge_sampling, sampling_overrides
+from tests.pipeline.refusals import refusals
 
 ROOT = Path(__file__).parents[2]
 
@@ -171,18 +172,6 @@ def _write_lock(out: Path, host: str, pid: int) -> None:
     (out / LOCK_FILE).write_text(json.dumps({"host": host, "pid": pid, "started": time.time()}))
 
 
-def _generate(args: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run(
-        [sys.executable, "jobs/generate.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_cli_exits_2_before_any_work(tiny_model_dir, tmp_path):
     """Bad CSV, a file as --output, a folder another job holds: exit 2 naming the problem,
     before Ray starts."""
@@ -200,11 +189,12 @@ def test_cli_exits_2_before_any_work(tiny_model_dir, tmp_path):
         cases.append(
             (["--input", str(good), "--output", str(tmp_path / "held")], "in use by another job")
         )
-        for args, message in cases:
-            done = _generate([*args, *model])
-            assert done.returncode == 2, done.stderr[-2000:]
-            assert message in done.stderr, done.stderr[-2000:]
-            assert "Started a local Ray" not in done.stderr  # refused before Ray
+        runs, stderr = refusals([[*args, *model] for args, _ in cases])  # one process
+    for run, (_, message) in zip(runs, cases, strict=True):
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert message in run.stderr, run.stderr[-2000:]
+        assert not run.ray_started  # refused before Ray
+    assert "Started a local Ray" not in stderr
 
 
 HOSTILE_CSV = """id,prompt,temperature,seed,top_k

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.stages import columns, dedupe, stage
 from pipeline.stages.prompts import RowIdStage
-from tests.pipeline.test_hostile_job import _generate
+from tests.pipeline.refusals import refusals
 
 TABLE = "id,prompt,key,n\nr1,hello,k1,3\nr2,world,k2,4\n"
 
@@ -84,15 +84,18 @@ def test_cli_refuses_a_clash_with_exit_2_before_ray(tiny_model_dir, tmp_path):
     table.write_text(TABLE)
     base = ["--input", str(table), "--output", str(tmp_path / "out")]
     base += ["--model", str(tiny_model_dir), "--prompt-column", "prompt"]
-    for flags, message in (
+    cases = (
         (["--text-column", "id"], "--text-column 'id'"),
         (["--keep-columns", "shard"], "--keep-columns 'shard'"),
-    ):
-        done = _generate([*base, *flags])
-        assert done.returncode == 2, done.stderr[-2000:]
-        assert message in done.stderr, done.stderr[-2000:]
-        assert "Traceback" not in done.stderr
-        assert not (tmp_path / "out").exists()  # before any work
+    )
+    runs, stderr = refusals([[*base, *flags] for flags, _ in cases])  # one process
+    for run, (_, message) in zip(runs, cases, strict=True):
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert message in run.stderr, run.stderr[-2000:]
+        assert "Traceback" not in run.stderr
+        assert not run.ray_started
+    assert "Traceback" not in stderr
+    assert not (tmp_path / "out").exists()  # before any work
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,51 @@
+"""Several `raypack generate` refusals in one fresh Python process: each `main(argv)`'s exit
+status and what it printed to stderr, and whether Ray was started by then (the process has
+no Ray of its own, so any start shows). One process for all: each command checks its input
+after importing the job's modules and torch (~3 s of CPU each on the 2-core box)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+SCRIPT = """
+import contextlib, io, json, sys
+import ray
+from pipeline.commands.generate import main
+out = []
+for argv in json.loads(sys.stdin.read()):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    out.append([code, err.getvalue(), ray.is_initialized()])
+print(json.dumps(out))
+"""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    returncode: int
+    stderr: str  # the command's own stderr (sys.stderr while it ran)
+    ray_started: bool
+
+
+def refusals(argvs: list[list[str]]) -> tuple[list[Refusal], str]:
+    """Each argv's run, and the process's own stderr (log lines, Ray's messages)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        input=json.dumps(argvs),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(done.stdout.strip().splitlines()[-1])
+    return [Refusal(*run) for run in runs], done.stderr
