@@ -108,9 +108,16 @@ def pack_linears(model: torch.nn.Module, fuse: bool = True) -> int:
 
 def unpack_linears(model: torch.nn.Module) -> None:
     """Undo `pack_linears`: every linear layer back on its own forward (torch's F.linear)."""
+    restore_forwards(model, "_raypack_packed")
+
+
+def restore_forwards(model: torch.nn.Module, marker: str) -> None:
+    """Every module carrying the attribute `marker` (set beside the forward installed on it:
+    the packed linear here, the fused layers' in rotary_attention.py and llama_layer.py) back
+    on its class's forward, the marker gone."""
     for module in model.modules():
-        if hasattr(module, "_raypack_packed"):
-            del module._raypack_packed
+        if hasattr(module, marker):
+            delattr(module, marker)
             del module.forward
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers.models.llama import modeling_llama
 
+from actors.cpu_linear import restore_forwards
 from actors.rotary_attention import code_key
 
 _LAYER = code_key(modeling_llama.LlamaDecoderLayer.forward)
@@ -86,10 +87,7 @@ def install(model: torch.nn.Module) -> int:
 
 def uninstall(model: torch.nn.Module) -> None:
     """Every layer back on its class's forward."""
-    for module in model.modules():
-        if hasattr(module, "_raypack_layer"):
-            del module._raypack_layer
-            del module.forward
+    restore_forwards(model, "_raypack_layer")
 
 
 def _rms_norm(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:

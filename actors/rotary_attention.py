@@ -26,6 +26,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 
+from actors.cpu_linear import restore_forwards
 from actors.fused_linear import FusedProjection
 
 
@@ -84,10 +85,7 @@ def install(model: torch.nn.Module) -> int:
 
 def uninstall(model: torch.nn.Module) -> None:
     """Every attention module back on its class's forward."""
-    for module in model.modules():
-        if hasattr(module, "_raypack_rotary"):
-            del module._raypack_rotary
-            del module.forward
+    restore_forwards(model, "_raypack_rotary")
 
 
 def _forward(module: Any, signed: SignedSin) -> Callable[..., Any]:
