@@ -1,9 +1,10 @@
 """Sibling projections of one input as one packed oneDNN matmul: q/k/v.
 
 A decoder layer computes q, k and v from the same hidden states by separate `nn.Linear`
-calls; vLLM runs them as one matmul of the concatenated weights and splits the result. One wider matmul keeps the CPU's cores busy where three narrow ones
-(SmolLM2: 576 -> 576, 192, 192) leave them idle between calls and on partial tiles
-(benchmarks/bench_fused_linear.py measures it at the engine's shapes).
+calls; vLLM runs them as one matmul of the concatenated weights and splits the result. One
+wider matmul keeps the CPU's cores busy where three narrow ones (SmolLM2: 576 -> 576, 192,
+192) leave them idle between calls and on partial tiles (measured at the engine's shapes:
+docs/benchmarks-peers.md, "fused q/k/v").
 
 Why not a new module per architecture (vLLM's way): transformers' own attention and MLP
 forwards stay as they are, for every model family. Each member of a group keeps its place in
@@ -42,6 +43,7 @@ class FusedProjection:
         biases = [m.bias for m in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.sizes = [m.out_features for m in linears]
+        self._starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         self.members = len(linears)
         self._input: torch.Tensor | None = None
         self._parts: list[torch.Tensor | None] = []
@@ -57,8 +59,9 @@ class FusedProjection:
         """Member `index`'s output for input `x` (a view into the group's output)."""
         if self._input is not x or self._parts[index] is None:
             out = self.full(x)
-            starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-            self._parts = [out.narrow(-1, a, n) for a, n in zip(starts, self.sizes, strict=True)]
+            self._parts = [
+                out.narrow(-1, a, n) for a, n in zip(self._starts, self.sizes, strict=True)
+            ]
             self._input = x
         found = self._parts[index]
         assert found is not None
