@@ -45,6 +45,10 @@ class InputCheck:
     """What `check_files` learnt that the read needs."""
 
     csv_multiline_values: bool = False  # a quoted CSV value holds a newline
+    # Rows the files hold (Parquet footers, JSONL's non-blank lines, CSV's records after the
+    # header); None when not counted (a saved Hugging Face dataset). Only a hint: a rerun
+    # looks for rows left to do when the output holds at least this many (pipeline/job/run.py).
+    num_rows: int | None = None
 
 
 def check_files(fmt: str, files: tuple[InputFile, ...]) -> InputCheck:
@@ -52,14 +56,17 @@ def check_files(fmt: str, files: tuple[InputFile, ...]) -> InputCheck:
     formats) on what a reader would otherwise misread or fail on inside the job."""
     multiline = False
     kinds = _JsonKinds()
+    num_rows = 0
     for file in files:
         if fmt == "parquet":
-            _check_parquet(file)
+            num_rows += _check_parquet(file)
         elif fmt == "jsonl":
-            _check_jsonl(file, kinds)
+            num_rows += _check_jsonl(file, kinds)
         elif fmt == "csv":
-            multiline |= _check_csv(file)
-    return InputCheck(csv_multiline_values=multiline)
+            file_multiline, file_rows = _check_csv(file)
+            multiline |= file_multiline
+            num_rows += file_rows
+    return InputCheck(csv_multiline_values=multiline, num_rows=num_rows)
 
 
 @contextmanager
@@ -89,7 +96,8 @@ def _open_bytes(file: InputFile) -> Iterator[Any]:
             yield raw
 
 
-def _check_parquet(file: InputFile) -> None:
+def _check_parquet(file: InputFile) -> int:
+    """Check one Parquet file; its rows."""
     import pyarrow.parquet as pq
 
     path = file.name
@@ -107,10 +115,13 @@ def _check_parquet(file: InputFile) -> None:
                 f"input {path}: row group {group} of {parquet.num_row_groups} cannot be read, "
                 f"the file is damaged ({type(exc).__name__}: {exc})"
             ) from None
+    return int(parquet.metadata.num_rows)
 
 
-def _check_jsonl(file: InputFile, kinds: _JsonKinds) -> None:
+def _check_jsonl(file: InputFile, kinds: _JsonKinds) -> int:
+    """Check one JSONL file; its rows (non-blank lines)."""
     path = file.name
+    rows = 0
     with open_text(file) as fh:
         try:
             for line_no, line in enumerate(fh, 1):
@@ -126,8 +137,10 @@ def _check_jsonl(file: InputFile, kinds: _JsonKinds) -> None:
                         f"(got {type(row).__name__})"
                     )
                 kinds.add(row, path, line_no)
+                rows += 1
         except UnicodeDecodeError as exc:
             raise ValueError(f"input {path}: not UTF-8 text ({exc})") from None
+    return rows
 
 
 @dataclass
@@ -184,10 +197,12 @@ def _kind(value: Any) -> str:
     return "array"
 
 
-def _check_csv(file: InputFile) -> bool:
-    """Strictly parse one CSV file; whether some quoted value spans lines."""
+def _check_csv(file: InputFile) -> tuple[bool, int]:
+    """Strictly parse one CSV file; whether some quoted value spans lines, and its records
+    after the header."""
     path = file.name
     multiline = False
+    records = 0
     with open_text(file) as fh:
         reader = csv.reader(fh, strict=True)
         start = 1  # the line the next record starts on
@@ -202,6 +217,7 @@ def _check_csv(file: InputFile) -> bool:
                         f"the header has {width}"
                     )
                 multiline |= reader.line_num > start
+                records += bool(record)
                 start = reader.line_num + 1
         except csv.Error as exc:
             if reader.line_num > start:  # the record ran on to the end: a quote never closed
@@ -212,4 +228,4 @@ def _check_csv(file: InputFile) -> bool:
             raise ValueError(f"input {path}: line {start} is not valid CSV: {exc}") from None
         except UnicodeDecodeError as exc:
             raise ValueError(f"input {path}: not UTF-8 text ({exc})") from None
-    return multiline
+    return multiline, max(0, records - 1)

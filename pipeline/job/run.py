@@ -39,11 +39,11 @@ from pipeline.io.read import (
     read_dataset,
     resolve_input,
 )
-from pipeline.io.report import StatsCollector, Summary, summarize, write_report
+from pipeline.io.report import PlanStats, StatsCollector, Summary, summarize, write_report
 from pipeline.io.resume import DoneIds, done_filter, scan_output
 from pipeline.job import engine_placement
 from pipeline.job.engine_placement import EnginePlacements
-from pipeline.job.phases import JobClock
+from pipeline.job.phases import EngineMarks, JobClock
 from pipeline.job.progress import ProgressBoard
 from pipeline.processor.build import Processor, ProcessorConfig, model_facts
 from pipeline.stages.infer import InferStage
@@ -256,8 +256,8 @@ def run_job(
 ) -> Summary:
     """Run the whole job into `config.output` (resuming what is there) and report.
     `on_written` gets the written Ray Dataset, executed (benchmarks read its per-operator
-    stats: `get_stats_summary()`). `watch(board, rows_already_done)` is entered while the
-    job runs, with a `pipeline.job.progress.ProgressBoard` the engine actors report to (the
+    stats: `get_stats_summary()`; not called when a rerun finds every row done: then no actor
+    starts, see `rows_left`). `watch(board, rows_already_done)` is entered while the job runs, with a `pipeline.job.progress.ProgressBoard` the engine actors report to (the
     command's progress display: `pipeline.job.progress.watch`).
 
     The output folder is claimed for the run and its lineage settled (`claim_output`:
@@ -283,10 +283,6 @@ def run_job(
                 clock=clock,
                 ray_done=ray_done,
             )
-    import ray
-
-    from pipeline.io.writer import ShardSink
-
     started = time.perf_counter()
     timer = clock or JobClock(start=time.time())
     timer.mark("job")
@@ -297,43 +293,24 @@ def run_job(
     try:
         state = scan_output(config.output, prefix, retry_errors=config.retry_errors)
         storage.makedirs(config.output)
-        collector = ray.remote(num_cpus=0)(StatsCollector).remote()
-        board = ray.remote(num_cpus=0)(ProgressBoard).remote() if watch else None
-        watching = watch(board, state.num_done) if watch else nullcontext()
-        try:
-            done = done_filter(state.files, state.num_done)
-            ds = build_dataset(config, prepared, done, collector, infer_cls, groups, board)
-            # Writer actors gather the shards into files of FilesConfig's size, each visible
-            # only when complete (pipeline/io/writer.py), named with the folder's job token: the
-            # only files a rerun reads or deletes.
-            sink = ShardSink(
-                config.output,
-                prefix,
-                config.files,
-                config.files.num_writers or config.compute.num_actors,
-            )
-            with watching:
-                written = sink.write(ds)
+        done = done_filter(state.files, state.num_done)
+        if rows_left(config, prepared, done, state.num_done) == 0:
+            # A rerun with nothing to do starts no tokenizer, engine or writer actor.
+            logger.info("every input row is already in %s: nothing to generate", config.output)
             timer.mark("written")
-            plan = ray.get(collector.plan_total.remote())
-            planned, engines = ray.get(collector.timing.remote())
-            if planned is not None:
-                timer.mark("planned", planned)
-            if on_written is not None:
-                on_written(written)
-            del ds, written  # the executed datasets' per-block stats go with them
-        finally:
-            ray.kill(collector)
-            if board is not None:
-                ray.kill(board)
+            committed, plan, engines = [], PlanStats(), None
+        else:
+            committed, plan, engines = _generate(
+                config, prepared, done, groups, prefix, timer, infer_cls, on_written,
+                watch, state.num_done,
+            )  # fmt: skip
     finally:
         if groups is not None:
             groups.remove_all()
     if ray_done is not None:
         ray_done()
-    written = [path for path, _ in sink.committed]
     summary, distributions = summarize(
-        config.output, written, plan, time.perf_counter() - started, state.num_done
+        config.output, committed, plan, time.perf_counter() - started, state.num_done
     )
 
     def phases() -> dict[str, float]:
@@ -344,6 +321,81 @@ def run_job(
     # the command prints it (pipeline/commands/cli.py)
     logger.debug("summary: %s", summary.log_line())
     return summary
+
+
+def rows_left(config: JobConfig, prepared: PreparedJob, done: DoneIds, num_done: int) -> int | None:
+    """How many input rows are not in the output yet, counted only when the output already
+    holds at least as many rows as `prepare` counted in the input (a rerun that may have
+    nothing left; fewer rows done means some are surely left): read and id'd by Ray Data
+    tasks exactly as the job does it (`RowIdStage`), without the job's actors. None when not
+    counted. (A job with n > 1 samples per row writes n rows per id, so its reruns count.)"""
+    total = prepared.checked.num_rows
+    if num_done == 0 or total is None or num_done < total:
+        return None
+    compute = config.compute
+    ds = read_dataset(
+        prepared.source,
+        config.input.hf_split,
+        compute.task_num_cpus,
+        compute.rows_per_block,
+        prepared.checked,
+    )
+    ds = ds.map_batches(
+        RowIdStage(prepared.id_column, done),
+        batch_format="pyarrow",
+        batch_size=None,
+        num_cpus=compute.task_num_cpus,
+    )
+    return int(ds.count())
+
+
+def _generate(
+    config: JobConfig,
+    prepared: PreparedJob,
+    done: DoneIds,
+    groups: EnginePlacements | None,
+    prefix: str,
+    timer: JobClock,
+    infer_cls: type[InferStage],
+    on_written: Callable[[Any], None] | None,
+    watch: Callable[[Any, int], AbstractContextManager[Any]] | None,
+    num_done: int,
+) -> tuple[list[str], PlanStats, EngineMarks]:
+    """Run the pipeline into the output folder: the files it committed, the plan's figures
+    and the engines' marks (`run_job`'s work once there are rows to generate)."""
+    import ray
+
+    from pipeline.io.writer import ShardSink
+
+    collector = ray.remote(num_cpus=0)(StatsCollector).remote()
+    board = ray.remote(num_cpus=0)(ProgressBoard).remote() if watch else None
+    watching = watch(board, num_done) if watch else nullcontext()
+    try:
+        ds = build_dataset(config, prepared, done, collector, infer_cls, groups, board)
+        # Writer actors gather the shards into files of FilesConfig's size, each visible
+        # only when complete (pipeline/io/writer.py), named with the folder's job token: the
+        # only files a rerun reads or deletes.
+        sink = ShardSink(
+            config.output,
+            prefix,
+            config.files,
+            config.files.num_writers or config.compute.num_actors,
+        )
+        with watching:
+            written = sink.write(ds)
+        timer.mark("written")
+        plan = ray.get(collector.plan_total.remote())
+        planned, engines = ray.get(collector.timing.remote())
+        if planned is not None:
+            timer.mark("planned", planned)
+        if on_written is not None:
+            on_written(written)
+        del ds, written  # the executed datasets' per-block stats go with them
+    finally:
+        ray.kill(collector)
+        if board is not None:
+            ray.kill(board)
+    return [path for path, _ in sink.committed], plan, engines
 
 
 def _resolved_dtype(config: JobConfig) -> JobConfig:

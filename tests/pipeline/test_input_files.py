@@ -47,6 +47,24 @@ def test_a_utf8_bom_is_skipped_and_utf16_is_refused(tmp_path):
             _check(wide)
 
 
+def test_the_check_counts_the_rows_a_reader_gets(tmp_path):
+    """`check_input` counts the rows (a rerun compares them with the rows done): a CSV's
+    records after the header (a quoted value over two lines is one, a blank line none), a
+    JSONL's non-blank lines, Parquet's footer over several files; none for a saved dataset."""
+    csv_path = tmp_path / "a.csv"
+    csv_path.write_text('prompt,id\n"two\nlines",u1\n\nplain,u2\n')
+    assert check_input(_source(csv_path)).num_rows == 2
+    jsonl = tmp_path / "b" / "b.jsonl"
+    jsonl.parent.mkdir()
+    jsonl.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": "c"}')
+    assert check_input(_source(jsonl)).num_rows == 3
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    for i, n in enumerate((3, 4)):
+        pq.write_table(pa.table({"prompt": [f"p{j}" for j in range(n)]}), folder / f"{i}.parquet")
+    assert check_input(_source(folder)).num_rows == 7
+
+
 def test_a_folder_of_several_formats_is_refused_naming_them(tmp_path):
     (tmp_path / "a.csv").write_text("prompt\nx\n")
     (tmp_path / "b.jsonl").write_text('{"prompt": "y"}\n')

@@ -136,7 +136,10 @@ def test_many_shards_in_few_files_and_a_rerun_writes_nothing(
     ray_cluster, prompt_table, tiny_model_dir, tmp_path
 ):
     """Two-row shards (over 20 of them) into files of at most 6 rows: each file but a writer's
-    last holds 5 or 6 rows (whole shards), every id once; a rerun finds everything done."""
+    last holds 5 or 6 rows (whole shards), every id once; a rerun finds everything done and
+    starts no actor (no tokenizer, engine, writer or stats actor: nothing is left to do)."""
+    from ray._private.state import actors
+
     output = tmp_path / "out"
     config = make_config(prompt_table, tiny_model_dir, output, max_rows_per_shard=2)
     config = replace(config, files=FilesConfig(max_rows_per_file=6, num_writers=2))
@@ -155,8 +158,10 @@ def test_many_shards_in_few_files_and_a_rerun_writes_nothing(
         assert not shards & {s for g in files if g != f for s in _shards(g)}
     before = {f: Path(f).read_bytes() for f in files}
 
+    started = set(actors())
     again = run_job(config)
     assert (again.rows, again.rows_skipped) == (0, n)
+    assert set(actors()) == started
     assert {f: Path(f).read_bytes() for f in data_files(output)} == before
 
 
