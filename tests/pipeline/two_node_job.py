@@ -5,11 +5,12 @@ script by test_cluster.py (a process can hold one Ray connection; the test's own
 
 Each node has one fake GPU. First OUTPUT/dp: two engine actors, which land on different
 nodes. Then OUTPUT/pp: one engine actor with a pipeline-parallel engine (pp=2, STRICT_SPREAD)
-whose two stages are on the two nodes. Then a pp=2 engine of its own (the driver's, no job)
-on shared-prefix prompts with prefix groups and chunked prefill (tests/parallel's engine
-settings), its 1-CPU stages on the two nodes. One cluster serves all three (starting one is
-the slow part). Writes a JSON file: node count, each job's rows, each pp stage's node, and the
-engine's tokens and stages' nodes.
+whose two stages are on the two nodes, with tests/parallel's chunked prefill (7-token chunks,
+48-token steps), so the job's prefix groups and prompts cross the nodes a chunk at a time.
+(Until 2026-11-26 a third, job-less pp=2 engine ran here on tests/parallel's prompts: the
+same stages and transfers, and a third engine's workers on two cores.) One cluster serves
+both (starting one is the slow part). Writes a JSON file: node count, each job's rows, each
+pp stage's node.
 """
 
 from __future__ import annotations
@@ -38,28 +39,6 @@ def node_recording_stage(record: Path):  # noqa: ANN201 (an InferStage subclass)
             return super().run_shard(shard)
 
     return RecordNodes
-
-
-def engine_across_nodes(model_dir: Path) -> dict:
-    """A pp=2 engine with 1-CPU stages (they cannot share the 1-CPU node) spread over the two
-    nodes: its stages' nodes and its greedy tokens of tests/parallel's shared-prefix prompts
-    (the test compares them with the single-process engine's)."""
-    import ray
-
-    from actors import LLMEngine, SamplingParams
-    from tests.parallel.conftest import MAX_TOKENS, engine_config, shared_prefix_ids
-
-    prompts, groups = shared_prefix_ids()
-    config = engine_config(
-        model_dir, pipeline_parallel_size=2, worker_num_cpus=1.0, placement_strategy="STRICT_SPREAD"
-    )
-    engine = LLMEngine(config)
-    try:
-        nodes = ray.get([stage[0].node_id.remote() for stage in engine.runner.workers])
-        outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), groups)
-    finally:
-        engine.runner.shutdown()
-    return {"stage_nodes": nodes, "tokens": [list(o.token_ids) for o in outputs]}
 
 
 def main(table: str, model_dir: str, output: str) -> None:
@@ -94,11 +73,11 @@ def main(table: str, model_dir: str, output: str) -> None:
         )
         result["dp_rows"] = run_job(dp).rows
         pp = parallel_config(Path(table), Path(model_dir), Path(output) / "pp", pp=2)
-        pp = replace(pp, engine=replace(pp.engine, placement_strategy="STRICT_SPREAD"))
+        chunked = dict(chunk_size=7, max_num_batched_tokens=48)  # tests/parallel's engine_config
+        pp = replace(pp, engine=replace(pp.engine, placement_strategy="STRICT_SPREAD", **chunked))
         record = Path(output) / "stage_nodes.json"
         result["pp_rows"] = run_job(pp, infer_cls=node_recording_stage(record)).rows
         result["stage_nodes"] = json.loads(record.read_text())
-        result["engine"] = engine_across_nodes(Path(model_dir))
         (Path(output) / "result.json").write_text(json.dumps(result))
     finally:
         ray.shutdown()
