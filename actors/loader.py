@@ -21,11 +21,15 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from actors import architectures, remote_model
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a model is loaded, not with this module: the tokenizer actors
+# unpickle a `ResolvedModel` (this module) and never need torch (~1.4 s of imports each).
 
 logger = logging.getLogger(__name__)
 
@@ -248,14 +252,18 @@ def checked_config(
 
 def load_model(
     model: str | ResolvedModel,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
 ) -> Any:
-    """The model in eval mode on `device`. `smollm2` is converted to the cache on first use.
-    A model the engine would run wrong is refused from its config before its weights are read
-    (`architectures.UnsupportedModelError`)."""
+    """The model in eval mode on `device` (float32 unless `dtype`). `smollm2` is converted to
+    the cache on first use. A model the engine would run wrong is refused from its config
+    before its weights are read (`architectures.UnsupportedModelError`)."""
+    import torch
     from transformers import AutoModelForCausalLM
+
+    if dtype is None:
+        dtype = torch.float32
 
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)
     source = resolved.files()
@@ -275,6 +283,7 @@ def ensure_embedded_converted() -> Path:
     Written to a temporary folder and renamed into place, so several actors starting at once
     on one node never see a half-written copy.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = cache_dir() / "smollm2-135m-instruct"
