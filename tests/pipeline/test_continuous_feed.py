@@ -1,6 +1,7 @@
 """Continuous feed: the next shard's prompts join the running batch before the previous
 shard's last request finishes (seen in the engine's steps), outputs stay token-identical to
-`LLMEngine.generate` alone, and the job with many small shards equals the engine."""
+`LLMEngine.generate` alone, and the job with many small shards equals the engine (that job
+is test_restart_limit.py's rerun)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ import pytest
 from actors import LLMEngine
 from actors.config import EngineConfig, SamplingParams
 from packing import PrefixGroup
-from pipeline.config import PromptConfig
-from pipeline.job.run import run_job
+from pipeline.config import JobConfig, PromptConfig
 from pipeline.stages.engine_actor import shards_in_flight
 from pipeline.stages.feed import EngineFeed
 from pipeline.stages.prompts import PromptBuilder, merge_sampling
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
-from tests.pipeline.test_job import make_config, read_output
+from tests.pipeline.test_job import make_config
 
 OPENING = "Read the note, then answer. The note is about tea, its growers and its trade."
 
@@ -128,24 +128,20 @@ def test_shards_in_flight_cover_the_batch(tmp_path: Path) -> None:
     assert in_flight(1) == 16  # a cap: each shard in flight is a thread in the actor
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_job_with_many_small_shards_equals_the_engine(
-    ray_cluster, prompt_table, tiny_model_dir, tmp_path
+def assert_many_small_shards_equal_the_engine(
+    config: JobConfig, out: dict[str, dict], model_dir: Path
 ) -> None:
-    """Two rows per shard: every prefix group is split over shard boundaries; the output is
-    token-identical to one `generate` call on all prompts, and every id comes back once."""
-    config = make_config(
-        prompt_table, tiny_model_dir, tmp_path / "out", num_partitions=1, max_rows_per_shard=2
-    )
-    run_job(config)
-    out = read_output(tmp_path / "out")
+    """The job with many small shards (`config`: two rows per shard, so prefix groups are
+    split over shard boundaries) wrote `out`: every id once, token-identical to one
+    `generate` call on all prompts, each document's prefix computed once. Its job is
+    test_restart_limit.py's rerun (one job for both: a job costs ~10 s of process starts)."""
+    assert config.plan.max_rows_per_shard == 2
     table = rows()
     assert set(out) == {r["id"] for r in table}
     assert {i for i, r in out.items() if r["error"] is not None} == MALFORMED
 
     valid = [r for r in table if r["id"] not in MALFORMED]
-    engine = LLMEngine(EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=64))
+    engine = LLMEngine(EngineConfig(dtype="float32", model=str(model_dir), max_num_seqs=64))
     builder = PromptBuilder(PromptConfig(template=TEMPLATE))
     params = [
         merge_sampling(config.sampling, {"max_tokens": r["max_tokens"]} if r["max_tokens"] else {})

@@ -6,9 +6,6 @@ lineage, bad flags exit 2 naming the flag."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -17,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.actors.test_guided import SCHEMA
+from tests.pipeline.refusals import refusals
 from tests.pipeline.test_job import read_output
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).parents[2]
 PROMPTS = [
     "Which animal barked?",
     "Tell me about birds.",
@@ -36,18 +33,6 @@ PER_ROW = {
     "regex": {"regex": "[0-9]{3}-[a-z]{2}"},
     "bad": {"json": {"type": "nonsense"}},
 }
-
-
-def _generate(args: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run(
-        [sys.executable, "jobs/generate.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
 
 
 def _args(folder: Path, model: Path, schema: Path) -> list[str]:
@@ -78,7 +63,7 @@ def job(ray_cluster, tiny_model_dir, tmp_path_factory) -> tuple[Path, list[str]]
     pq.write_table(pa.Table.from_pylist(rows), folder / "in.parquet")
     args = _args(folder, tiny_model_dir, schema)
     # The command's main in this process, on the package's Ray (a command process of its own
-    # would import torch and Ray again: ~4 s of CPU; the refusals below are commands).
+    # would import torch and Ray again: ~4 s of CPU; the refusals below share one process).
     from pipeline.commands.generate import main
 
     assert main(args) == 0
@@ -102,36 +87,42 @@ def test_every_schema_row_parses_and_validates(job) -> None:  # noqa: ANN001
     assert out["bad"]["generated_token_ids"] == []
 
 
-def test_another_schema_is_another_lineage(job, tmp_path) -> None:  # noqa: ANN001
+BAD_FLAGS = [
+    (["--json-schema", "{missing}"], "--json-schema: "),
+    (["--json-schema", "{bad}"], "--json-schema: invalid guided json"),
+    (["--regex", "[a-z"], "--regex: invalid guided regex"),
+    (["--choice", " , "], "--choice: guided choice must list at least one"),
+    (["--regex", "a", "--choice", "a,b"], "give one of --json-schema"),
+]
+
+
+def test_another_schema_and_bad_guided_flags_exit_2_before_ray(job, tmp_path) -> None:  # noqa: ANN001
+    """Another schema on the job's folder is another lineage, refused; each bad guided flag
+    exits 2 naming the flag. All of them before Ray starts, in one command process (each
+    command in a process of its own cost ~2.5 s of imports)."""
     folder, args = job
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**SCHEMA, "required": ["label"]}))
-    args = [*args[: args.index("--json-schema")], "--json-schema", str(other), *args[-6:]]
-    done = _generate(args)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "sampling.guided_decoding.json" in done.stderr
-    assert "Started a local Ray" not in done.stderr
-
-
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--json-schema", "{missing}"], "--json-schema: "),
-        (["--json-schema", "{bad}"], "--json-schema: invalid guided json"),
-        (["--regex", "[a-z"], "--regex: invalid guided regex"),
-        (["--choice", " , "], "--choice: guided choice must list at least one"),
-        (["--regex", "a", "--choice", "a,b"], "give one of --json-schema"),
-    ],
-)
-def test_bad_guided_flags_exit_2_naming_the_flag(tmp_path, flags, message) -> None:  # noqa: ANN001
+    lineage = [*args[: args.index("--json-schema")], "--json-schema", str(other), *args[-6:]]
     bad = tmp_path / "bad.json"
     bad.write_text('{"type": "nonsense"}')
-    flags = [
-        f.replace("{missing}", str(tmp_path / "nope.json")).replace("{bad}", str(bad))
-        for f in flags
-    ]
     pq.write_table(pa.Table.from_pylist([{"prompt": "x"}]), tmp_path / "in.parquet")
-    args = ["--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out")]
-    done = _generate([*args, "--prompt-column", "prompt", *flags])
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert message in done.stderr
+    base = ["--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out")]
+    argvs = [lineage] + [
+        [
+            *base,
+            "--prompt-column",
+            "prompt",
+            *(
+                f.replace("{missing}", str(tmp_path / "nope.json")).replace("{bad}", str(bad))
+                for f in flags
+            ),
+        ]
+        for flags, _ in BAD_FLAGS
+    ]
+    runs, _ = refusals(argvs)
+    messages = ["sampling.guided_decoding.json", *(message for _, message in BAD_FLAGS)]
+    for run, message in zip(runs, messages, strict=True):
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert message in run.stderr, (message, run.stderr[-2000:])
+        assert not run.ray_started, message

@@ -1,15 +1,18 @@
 """The processor inside a user's own Ray Data program (issue 14 item 1): every input column
 comes back once per row, unchanged; the tokens equal LLMEngine.generate's and Hugging Face
-`generate`'s; a bad row is an error row, never a failed dataset."""
+`generate`'s; a bad row is an error row, never a failed dataset, and `retry_errors` runs it
+again once fixed."""
 
 from __future__ import annotations
 
 import datetime
 import json
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -173,6 +176,31 @@ def test_token_ids_with_logprobs_filtered_after(ray_cluster, tiny_model_dir, ref
                 assert abs(lp["logprob"] - float(want[pos, lp["token_id"]])) < 1e-4
                 assert lp["top"][0]["token_id"] == lp["token_id"] and len(lp["top"]) == 2
 
+    # The user's retry (`Processor.retry_errors`, one sample per row): the error rows' ids
+    # fixed, every other row kept as it is (its text marked: a regenerated row would show);
+    # only the fixed rows run again and every row comes back once. (Its run on rows of
+    # several samples: test_processor_retry.py.)
+    fixes = {k: prompts[n] for n, k in enumerate(sorted(bad))}
+    retried = processor.retry_errors(
+        done.map_batches(partial(_fix_ids, fixes), batch_format="pyarrow")
+    ).take_all()
+    assert sorted(r["k"] for r in retried) == [*range(len(prompts)), *sorted(bad)]
+    by_k = {r["k"]: r for r in retried}
+    assert all(by_k[k]["generated_text"] == KEPT for k in range(len(prompts)))  # not redone
+    with torch_threads(1):
+        redone = engine.generate(
+            list(fixes.values()), SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
+        )
+    for k, ref in zip(fixes, redone, strict=True):
+        assert by_k[k]["error"] is None, by_k[k]
+        assert list(by_k[k]["generated_token_ids"]) == list(ref.token_ids), k
+        assert [lp["token_id"] for lp in by_k[k]["logprobs"]] == list(ref.token_ids)
+    # Nothing left to retry: the rows come back as they are (the processor's run on an
+    # empty input).
+    again = processor.retry_errors(ray.data.from_items(retried)).take_all()
+    assert sorted(r["k"] for r in again) == sorted(by_k)
+    assert not any(r["error"] for r in again)
+
 
 def test_bad_configs_fail_before_any_work(ray_cluster, tiny_model_dir):
     import ray.data
@@ -186,6 +214,22 @@ def test_bad_configs_fail_before_any_work(ray_cluster, tiny_model_dir):
         build_processor(config(tiny_model_dir, prompt_column="p"))(ds)
     with pytest.raises(ValueError, match=r"\['error'\] have the names"):
         build_processor(config(tiny_model_dir, prompt_column="text"))(ds)
+
+
+KEPT = "kept from the first run"
+
+
+def _fix_ids(fixes: dict[int, list[int]], batch: pa.Table) -> pa.Table:
+    """The user's fix after the token-ids run: each error row's ids replaced (`fixes` by
+    `k`), the other rows' text marked, so a regenerated good row would show."""
+    ok = pc.is_null(batch.column("error"))
+    text = pc.if_else(ok, pa.scalar(KEPT), batch.column("generated_text"))
+    batch = batch.set_column(batch.schema.get_field_index("generated_text"), "generated_text", text)
+    keys, ids = batch.column("k").to_pylist(), batch.column("ids").to_pylist()
+    fixed = pa.array(
+        [fixes.get(k, i) for k, i in zip(keys, ids, strict=True)], pa.list_(pa.int64())
+    )
+    return batch.set_column(batch.schema.get_field_index("ids"), "ids", fixed)
 
 
 def _key(row: dict) -> str:

@@ -1,6 +1,7 @@
 """The processor's error retry (issue 14 item 4, `Processor.retry_errors`): rows that ended with
 an error run again once their input is fixed, every other row passes through untouched (not
-regenerated), every row comes back once, and the retried tokens equal the engine's."""
+regenerated), every row comes back once, and the retried tokens equal the engine's. Here on
+rows of several samples; on rows of one: test_processor.py's token-ids run, retried."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from actors import EngineConfig, LLMEngine, SamplingParams
+from actors import EngineConfig, SamplingParams
 from pipeline import ProcessorConfig, build_processor
-from pipeline.config import ComputeConfig, PlanConfig
+from pipeline.config import ComputeConfig, PlanConfig, PromptConfig
 from tests.pipeline.test_retry_errors import BAD, PROMPTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -30,8 +31,14 @@ def _fix(batch: pa.Table) -> pa.Table:
     return batch.set_column(batch.schema.get_field_index("max_tokens"), "max_tokens", cleared)
 
 
+# Samples per row in the samples test: the processor's n=2, and ok-3's own through its
+# sampling column.
+SAMPLES = {d: 3 if d == "ok-3" else 2 for d in PROMPTS}
+
+
 def prompt_rows():
-    """The prompts as a dataset; the BAD rows' max_tokens -1 makes them error rows."""
+    """The prompts as a dataset; the BAD rows' max_tokens -1 makes them error rows; ok-3's
+    `sampling` asks 3 samples (read only by a processor with that sampling column)."""
     import ray.data
 
     ids = list(PROMPTS)
@@ -41,45 +48,10 @@ def prompt_rows():
                 "doc": ids,
                 "prompt": list(PROMPTS.values()),
                 "max_tokens": pa.array([-1 if i in BAD else None for i in ids], pa.int64()),
+                "sampling": [f'{{"n": {SAMPLES[i]}}}' if i == "ok-3" else None for i in ids],
             }
         )
     )
-
-
-def test_retry_errors_reruns_only_the_error_rows(ray_cluster, tiny_model_dir):
-    import ray.data
-
-    ids = list(PROMPTS)
-    ds = prompt_rows()
-    processor = build_processor(
-        ProcessorConfig(
-            engine=EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=16),
-            sampling=SamplingParams(max_tokens=3),
-            prompt_column="prompt",
-            override_columns=("max_tokens",),
-            plan=PlanConfig(num_partitions=1),
-            compute=ComputeConfig(num_cpus_per_actor=0.25),
-        )
-    )
-    first = processor(ds).materialize()
-    errors = {r["doc"]: r["error"] for r in first.take_all()}
-    assert {d for d, e in errors.items() if e} == BAD, errors
-    assert all("max_tokens" in errors[d] for d in BAD), errors
-
-    retried = processor.retry_errors(first.map_batches(_fix, batch_format="pyarrow")).take_all()
-    assert sorted(r["doc"] for r in retried) == sorted(ids)  # every row once
-    by_doc = {r["doc"]: r for r in retried}
-    assert all(by_doc[d]["generated_text"] == KEPT for d in ids if d not in BAD)  # not redone
-    engine = LLMEngine(EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=16))
-    expected = engine.generate([PROMPTS[d] for d in sorted(BAD)], SamplingParams(max_tokens=3))
-    for doc, out in zip(sorted(BAD), expected, strict=True):
-        assert by_doc[doc]["error"] is None, by_doc[doc]
-        assert list(by_doc[doc]["generated_token_ids"]) == list(out.token_ids), doc
-
-    # Nothing left to retry: the rows come back as they are.
-    again = processor.retry_errors(ray.data.from_items(retried)).take_all()
-    assert sorted(r["doc"] for r in again) == sorted(ids)
-    assert not any(r["error"] for r in again)
 
 
 def _fix_samples(batch: pa.Table) -> pa.Table:
@@ -92,9 +64,16 @@ def _fix_samples(batch: pa.Table) -> pa.Table:
 
 
 def test_retry_errors_with_samples_each_row_sample_once(ray_cluster, tiny_model_dir):
-    """n=2: a row with an error in one sample runs again with both, its good sample dropped;
-    every (doc, sample_index) comes back exactly once."""
+    """n=2 (the processor's), and n=3 for one row through the sampling column: a row's
+    samples are output rows of their own, greedy ones equal to Hugging Face `generate`; a row
+    with an error in one sample runs again with all, its good samples dropped; every (doc,
+    sample_index) comes back exactly once."""
     import ray.data
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from actors.loader import load_tokenizer
+    from tests.actors.reference import hf_greedy, torch_threads
 
     ids = list(PROMPTS)
     ds = prompt_rows()
@@ -104,6 +83,7 @@ def test_retry_errors_with_samples_each_row_sample_once(ray_cluster, tiny_model_
         prompt_column="prompt",
         id_column="doc",
         override_columns=("max_tokens",),
+        sampling_column="sampling",
         plan=PlanConfig(num_partitions=1),
         compute=ComputeConfig(num_cpus_per_actor=0.25),
     )
@@ -113,16 +93,30 @@ def test_retry_errors_with_samples_each_row_sample_once(ray_cluster, tiny_model_
     assert sorted((r["doc"], r["sample_index"]) for r in rows if r["error"]) == [
         (d, 0) for d in sorted(BAD)
     ]  # an error before the engine: one row
+    good = sorted((r["doc"], r["sample_index"]) for r in rows if not r["error"])
+    assert good == [(d, s) for d in sorted(set(ids) - BAD) for s in range(SAMPLES[d])]
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    special = PromptConfig(prompt_column="prompt").add_special_tokens
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch_threads(1):
+        hf = {
+            d: hf_greedy(model, tokenizer(PROMPTS[d], add_special_tokens=special)["input_ids"], 3)
+            for d in ids
+        }
+    for r in rows:
+        if not r["error"]:
+            assert list(r["generated_token_ids"]) == hf[r["doc"]], r
 
     retried = processor.retry_errors(first.map_batches(_fix_samples, batch_format="pyarrow"))
     retried = retried.take_all()
     assert sorted((r["doc"], r["sample_index"]) for r in retried) == sorted(
-        (d, s) for d in ids for s in (0, 1)
+        (d, s) for d in ids for s in range(SAMPLES[d])
     )
     assert not any(r["error"] for r in retried)
     redone = BAD | {"ok-1"}
     for r in retried:
         assert (r["generated_text"] == KEPT) == (r["doc"] not in redone), r
+        assert list(r["generated_token_ids"]) == hf[r["doc"]] or r["doc"] not in redone, r
 
     # An error row without an id: refused, not merged with other null-id rows.
     nameless = [{**r, "doc": None} if r["doc"] == "bad-1" else r for r in rows]

@@ -1,6 +1,7 @@
 """Actor restart limits: a shard that kills its engine actor every time ends the job after
 `max_restarts` retries (no endless retry), the other shards' rows are kept, and a rerun
-completes the table with every id exactly once."""
+completes the table with every id exactly once (the rerun, in two-row shards, is also the
+continuous feed's job: test_continuous_feed.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import PlanConfig
 from pipeline.job.run import run_job
 from pipeline.stages import stage
 from pipeline.stages.infer import InferStage
 from tests.pipeline.data import rows
+from tests.pipeline.test_continuous_feed import assert_many_small_shards_equal_the_engine
 from tests.pipeline.test_job import make_config, read_output
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -55,11 +56,12 @@ def test_a_shard_that_always_kills_its_actor_ends_the_job_after_the_limit(
 
     done = read_output(output) if output.exists() else {}
     assert POISON not in done
-    # the rerun (shards of the default size: the ids written, not the shards, say what is
-    # left): the finished rows are skipped, the rest done
-    summary = run_job(
-        replace(config, plan=replace(config.plan, max_rows_per_shard=PlanConfig.max_rows_per_shard))
-    )
+    # the rerun (shards of another size: the ids written, not the shards, say what is left):
+    # the finished rows are skipped, the rest done. Two rows per shard: it is also the
+    # continuous feed's job with many small shards (test_continuous_feed.py's assertions).
+    rerun = replace(config, plan=replace(config.plan, max_rows_per_shard=2))
+    summary = run_job(rerun)
     out = read_output(output)
     assert set(out) == {r["id"] for r in rows()}  # every id, each once
     assert summary.rows_skipped == len(done)
+    assert_many_small_shards_equal_the_engine(rerun, out, tiny_model_dir)
