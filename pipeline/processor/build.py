@@ -251,10 +251,15 @@ class Processor:
         When a row can have several samples (`sample_index`), a row with an error in any of
         its samples runs again once, its other samples dropped: it comes back once per sample
         index, never beside its old samples. Its samples are told apart from other rows' by
-        `id_column` (ValueError without one, or for an error row whose id is null); `ds` is
-        materialized (it is read three times)."""
+        `id_column` (ValueError without one, or for an error row whose id is null).
+
+        `ds` is materialized first: the rows kept and the rows retried are both read from it,
+        and a lazy `ds` would otherwise be computed once for each (a user's map that does not
+        give the same rows twice, e.g. a row that fails only sometimes, could then be kept
+        and retried too, or neither)."""
         from ray.data.expressions import col
 
+        ds = ds.materialize()
         outputs = list(self.config.output_columns)
         names = list(ds.schema().names)
         missing = [c for c in outputs if c not in names]
@@ -274,7 +279,6 @@ class Processor:
                 "id_column: a row whose sample has an error runs again with all its samples, "
                 "and its other samples are found by its id"
             )
-        ds = ds.materialize()
         errors = ds.filter(expr=col(stage.ERROR).is_not_null()).select_columns([key])
         failed_ids = errors.unique(key)
         if not failed_ids:

@@ -129,7 +129,9 @@ def test_user_program_carries_every_column_once_and_equals_generate(
             assert row["num_generated_tokens"] == len(row["generated_token_ids"])
 
 
-def test_token_ids_with_logprobs_filtered_after(ray_cluster, tiny_model_dir, references):
+def test_token_ids_with_logprobs_filtered_after(
+    ray_cluster, tiny_model_dir, references, tmp_path
+):
     import ray.data
 
     tokenizer, model, engine = references
@@ -178,12 +180,16 @@ def test_token_ids_with_logprobs_filtered_after(ray_cluster, tiny_model_dir, ref
 
     # The user's retry (`Processor.retry_errors`, one sample per row): the error rows' ids
     # fixed, every other row kept as it is (its text marked: a regenerated row would show);
-    # only the fixed rows run again and every row comes back once. (Its run on rows of
-    # several samples: test_processor_retry.py.)
+    # only the fixed rows run again and every row comes back once. The fix is lazy, as a
+    # user's map is: it runs once (a retry that read its input twice, once for the rows kept
+    # and once for those retried, could keep a row and retry it too when the input is not
+    # the same both times). (Its run on rows of several samples: test_processor_retry.py.)
     fixes = {k: prompts[n] for n, k in enumerate(sorted(bad))}
+    seen = tmp_path / "fixed"
     retried = processor.retry_errors(
-        done.map_batches(partial(_fix_ids, fixes), batch_format="pyarrow")
+        done.map_batches(partial(_fix_ids, fixes, seen), batch_format="pyarrow")
     ).take_all()
+    assert sorted(map(int, seen.read_text().split())) == sorted(r["k"] for r in done.take_all())
     assert sorted(r["k"] for r in retried) == [*range(len(prompts)), *sorted(bad)]
     by_k = {r["k"]: r for r in retried}
     assert all(by_k[k]["generated_text"] == KEPT for k in range(len(prompts)))  # not redone
@@ -219,9 +225,12 @@ def test_bad_configs_fail_before_any_work(ray_cluster, tiny_model_dir):
 KEPT = "kept from the first run"
 
 
-def _fix_ids(fixes: dict[int, list[int]], batch: pa.Table) -> pa.Table:
+def _fix_ids(fixes: dict[int, list[int]], seen: Path, batch: pa.Table) -> pa.Table:
     """The user's fix after the token-ids run: each error row's ids replaced (`fixes` by
-    `k`), the other rows' text marked, so a regenerated good row would show."""
+    `k`), the other rows' text marked, so a regenerated good row would show; each row's `k`
+    appended to `seen`."""
+    with seen.open("a") as f:
+        f.write("".join(f"{k}\n" for k in batch.column("k").to_pylist()))
     ok = pc.is_null(batch.column("error"))
     text = pc.if_else(ok, pa.scalar(KEPT), batch.column("generated_text"))
     batch = batch.set_column(batch.schema.get_field_index("generated_text"), "generated_text", text)
