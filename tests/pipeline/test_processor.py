@@ -129,9 +129,7 @@ def test_user_program_carries_every_column_once_and_equals_generate(
             assert row["num_generated_tokens"] == len(row["generated_token_ids"])
 
 
-def test_token_ids_with_logprobs_filtered_after(
-    ray_cluster, tiny_model_dir, references, tmp_path
-):
+def test_token_ids_with_logprobs_filtered_after(ray_cluster, tiny_model_dir, references, tmp_path):
     import ray.data
 
     tokenizer, model, engine = references
