@@ -12,6 +12,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from actors.allocator import ALLOCATORS
 from actors.config import EngineConfig, SamplingParams
 from pipeline.stages import columns
 
@@ -255,6 +256,8 @@ class ComputeConfig:
     # (groups they can never hold, CPU room) and wait placement_timeout_s for the groups.
     wait_for_nodes: bool = False
     rows_per_block: int = 1024  # read blocks are cut to this so the tokenizers share the work
+    # The engine actors' malloc (actors/allocator.py): tcmalloc when the machine has it.
+    allocator: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_actors, int) or self.num_actors < 1:
@@ -271,6 +274,8 @@ class ComputeConfig:
             raise ValueError(f"memory_gb_per_actor must be > 0, got {self.memory_gb_per_actor}")
         if self.rows_per_block < 1:
             raise ValueError(f"rows_per_block must be >= 1, got {self.rows_per_block}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
         object.__setattr__(self, "resources", tuple((str(k), float(v)) for k, v in self.resources))
 
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from actors.allocator import ALLOCATORS
 from actors.config import SamplingParams
 from pipeline.commands import console
 from pipeline.commands.console import ConsoleOptions
@@ -242,6 +243,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--torch-threads", type=int, help="torch threads per engine actor (default: torch's)"
     )
     c.add_argument(
+        "--allocator",
+        choices=ALLOCATORS,
+        default=compute.allocator,
+        help="the engine actors' malloc: tcmalloc where the machine has it (auto), tcmalloc "
+        "(exit 2 without it), or the system's",
+    )
+    c.add_argument(
         "--num-tokenize-actors",
         type=int,
         default=compute.num_tokenize_actors,
@@ -285,6 +293,7 @@ def job_config(
             num_cpus_per_actor=args.num_cpus_per_actor,
             resources=tuple(_resource(r) for r in args.actor_resource),
             torch_threads=args.torch_threads,
+            allocator=args.allocator,
             memory_gb_per_actor=args.memory_gb_per_actor,
             engine_retries=args.engine_retries,
             placement_timeout_s=args.placement_timeout_s,

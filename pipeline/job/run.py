@@ -23,6 +23,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
+from actors.allocator import preload_env
 from actors.architectures import UnsupportedModelError
 from actors.dtypes import choose_dtype, cpu_info
 from actors.loader import ResolvedModel, resolve_model
@@ -117,6 +118,8 @@ def prepare(config: JobConfig) -> PreparedJob:
         max_model_len, vocab_size = model_facts(config.engine, model)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"--model {config.engine.model}: {exc}") from exc
+    if config.compute.allocator == "tcmalloc":  # asked for by name: refused here when missing
+        preload_env("tcmalloc")
     # Not written to here: a dry run writes nothing. A job's claim (`claim_output`, next after
     # this for every run) creates the folder and makes sure a file can be written in it.
     check_output(config.output, write=False)

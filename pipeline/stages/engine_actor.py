@@ -30,8 +30,13 @@ def engine_actor_args(compute: ComputeConfig, placements: Any = None) -> dict:
 
     With `placements` (pipeline.job.engine_placement.EnginePlacements, for tp x pp engines) each
     actor is created in a placement group of its own and takes no GPU itself: its workers
-    hold them, one per bundle."""
+    hold them, one per bundle.
+
+    The actor's process preloads `compute.allocator` (actors/allocator.py: tcmalloc where
+    the machine has it) through its `runtime_env`; a tp x pp engine's workers inherit it."""
     import ray
+
+    from actors.allocator import preload_env
 
     gpus = compute.num_gpus_per_actor
     if gpus is None:
@@ -46,6 +51,9 @@ def engine_actor_args(compute: ComputeConfig, placements: Any = None) -> dict:
         args["resources"] = dict(compute.resources)
     if compute.memory_gb_per_actor:
         args["memory"] = int(compute.memory_gb_per_actor * 2**30)
+    env = preload_env(compute.allocator)
+    if env:
+        args["runtime_env"] = {"env_vars": env}
     if placements is not None:
         args["num_gpus"] = 0
         args["ray_remote_args_fn"] = placements
