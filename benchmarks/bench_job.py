@@ -197,6 +197,7 @@ def run_one_job(
     threads: int,
     sampler: CpuSampler | None = None,
     dtype: str = "auto",
+    allocator: str = "auto",
 ) -> dict[str, Any]:
     """One job on a fresh local Ray; its wall time, breakdown, engine steps and outputs (and
     with a `sampler`, the cores each process held while the engine stepped)."""
@@ -214,7 +215,7 @@ def run_one_job(
         engine=EngineConfig(dtype=dtype),
         sampling=params,
         plan=PlanConfig(max_rows_per_shard=shard_size),
-        compute=ComputeConfig(torch_threads=threads),
+        compute=ComputeConfig(torch_threads=threads, allocator=allocator),
     )
     spans: dict[str, list[float]] = {}
     marks: dict[str, float] = {}
@@ -296,6 +297,12 @@ def main(argv: list[str] | None = None) -> None:
         "the rest to Ray and the pipeline, as on a GPU node",
     )
     parser.add_argument(
+        "--allocator",
+        default="auto",
+        choices=["auto", "tcmalloc", "system"],
+        help="the job's engine actors' malloc (ComputeConfig.allocator)",
+    )
+    parser.add_argument(
         "--dtype",
         default="auto",
         help="the engine's dtype, alone and in the job (auto: bfloat16 only on a CPU with "
@@ -346,6 +353,7 @@ def main(argv: list[str] | None = None) -> None:
                         args.threads,
                         sampler,
                         args.dtype,
+                        args.allocator,
                     )
                 )
                 print(f"rep {rep}: job {key} {jobs[key][-1]['wall_s']} s", file=sys.stderr)
@@ -376,6 +384,7 @@ def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[str, lis
         "prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "dtype": args.dtype,
+        "allocator": args.allocator,
         "repeats": args.repeats,
         "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
         "jobs": {},
