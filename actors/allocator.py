@@ -3,10 +3,10 @@
 glibc's malloc hands large blocks (a step's activations, a 49,152-wide row of logits per
 sequence) back to the kernel and gets fresh, zeroed pages for the next ones, and its
 per-thread arenas suit the engine actor's threads (one steps, others feed shards) poorly.
-tcmalloc keeps freed blocks for reuse. Measured on a 2-core AMD EPYC (docs/benchmarks.md,
-"The allocator"): a 525-prompt job's engine steps took 38.4-39.4 s with tcmalloc in every
-Ray process against 43.4-45.3 s without, and an engine's first `generate` lost its ~1.4 s
-penalty. vLLM's CPU backend asks for tcmalloc the same way (an `LD_PRELOAD`); here the job and
+tcmalloc keeps freed blocks for reuse. Measured on a 2-core AMD EPYC
+(docs/benchmarks-job-engine.md, "The allocator"): a 525-prompt float32 job's engine steps took
+36.6-37.7 s with its engine actor on tcmalloc against 41.6-42.3 s on glibc's, the job 44.1-45.6
+s against 48.9-49.6 s; an engine's first `generate` lost its ~1.4 s penalty. vLLM's CPU backend asks for tcmalloc the same way (an `LD_PRELOAD`); here the job and
 the processor set it on their engine actors themselves (`preload_env`, a Ray `runtime_env`),
 so nobody has to remember it. It has to be there before the process starts: an engine built
 in a user's own process (`LLMEngine`) keeps the process's allocator.
