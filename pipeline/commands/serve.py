@@ -19,10 +19,13 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Mapping
 
 from pipeline.commands.cli import HelpFormatter
 from pipeline.commands.console import quiet_ray_token_notice
 from pipeline.serve.cli import add_app_arguments, serve_config_from_args
+from pipeline.serve.config import prefix_routed
+from pipeline.serve.fit import fit_to_cluster
 from pipeline.serve.proxy_headers import use_in_proxy
 
 logger = logging.getLogger("raypack.serve")
@@ -55,6 +58,17 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
+def local_ray_cpus(args: argparse.Namespace, environ: Mapping[str, str]) -> int | None:
+    """The CPUs of the Ray `main` starts when it starts one with `--ray-num-cpus` (`ray.init`
+    starts a local Ray for `--address local`, or for no address without RAY_ADDRESS); None
+    when it joins a cluster or leaves the count to Ray (then the replicas are fitted once
+    connected)."""
+    joins = args.address not in (None, "local") or (
+        args.address is None and bool(environ.get("RAY_ADDRESS"))
+    )
+    return None if joins else args.ray_num_cpus
+
+
 def interrupt_on_signals() -> None:
     """SIGINT (Ctrl-C) and SIGTERM stop the server the same way (Serve and Ray shut down,
     exit 0). Ray's own SIGTERM handler, set by ray.init, would kill its processes without
@@ -81,6 +95,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except ValueError as exc:
         logger.error("bad option: %s", exc)
         return 2
+    cpus = local_ray_cpus(args, os.environ)
+    if cpus is not None:  # replicas a local Ray of known CPUs cannot hold: refused before it starts
+        try:
+            fit_to_cluster(config, prefix_routed(config), cluster_cpus=cpus)
+        except ValueError as exc:
+            logger.error("%s", exc)
+            return 2
     from actors.loader import checked_config
 
     try:  # an unknown model, or one the engine would run wrong, is refused before Ray starts
@@ -97,8 +118,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     import ray
     from ray import serve
 
-    from pipeline.serve.app import build_app, prefix_routed
-    from pipeline.serve.fit import fit_to_cluster
+    from pipeline.serve.app import build_app
 
     port = args.port or free_port(args.host)
     # Serve's proxy answers a non-UTF-8 X-Request-ID with a text/plain 500 before the app

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from packing.admission import AdmissionConfig
 from pipeline.serve.auth import check_api_key, load_api_keys
 from pipeline.serve.cli import serve_config_from_app_args
-from pipeline.serve.config import ServeConfig
+from pipeline.serve.config import ServeConfig, prefix_routed
 from pipeline.serve.errors import APIError
 from pipeline.serve.fit import FRONT_NUM_CPUS, fit_to_cluster
 from pipeline.serve.front import PrefixFront, run_asgi
@@ -334,12 +334,6 @@ def front_queued_limit(config: ServeConfig) -> int:
     if config.max_queued_requests is None or limit == -1:
         return limit
     return limit * config.replicas.highest
-
-
-def prefix_routed(config: ServeConfig) -> bool:
-    """Whether the app routes by prefix: on unless turned off, when there can be more than one
-    replica."""
-    return config.prefix_routing and config.replicas.highest > 1
 
 
 def routing_options(config: ServeConfig) -> dict[str, Any]:

@@ -161,3 +161,9 @@ def serve_chunk_size(engine: EngineConfig) -> int:
     step budget, so one long prompt leaves half of every step to decodes and newcomers (and
     with a chunk size the scheduler keeps room for a newcomer however many prompts prefill)."""
     return max(1, engine.max_num_batched_tokens // 2)
+
+
+def prefix_routed(config: ServeConfig) -> bool:
+    """Whether the app routes by prefix: on unless turned off, when there can be more than one
+    replica."""
+    return config.prefix_routing and config.replicas.highest > 1

@@ -77,7 +77,7 @@ def fit_to_cluster(
     config: ServeConfig, routed: bool, cluster_cpus: float | None = None
 ) -> ServeConfig:
     """`config` with `num_cpus` settled against the cluster (see the module docstring);
-    `routed`: whether the app has the prefix-routing front (`app.prefix_routed`);
+    `routed`: whether the app has the prefix-routing front (`config.prefix_routed`);
     `cluster_cpus` defaults to `available_cpus()`."""
     engine = config.engine
     worker_cpus = engine.world_size * engine.worker_num_cpus if engine.world_size > 1 else 0.0

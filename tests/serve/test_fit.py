@@ -1,21 +1,24 @@
 """Replicas fitted to the cluster's CPUs, or refused at once naming the flags
 (pipeline/serve/fit.py): the arithmetic without Ray, the app builder as `serve run` calls it,
-and `raypack serve` exiting 2 within seconds where Serve would wait forever."""
+and `raypack serve` exiting 2 within seconds where Serve would wait forever: before it starts
+a local Ray of `--ray-num-cpus` CPUs, and once connected to a cluster it joins."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from actors.config import EngineConfig
+from pipeline.commands.serve import build_parser, local_ray_cpus
 from pipeline.serve import ServeConfig
-from pipeline.serve.app import prefix_routed
+from pipeline.serve.config import prefix_routed
 from pipeline.serve.fit import FRONT_NUM_CPUS, MIN_REPLICA_CPUS, fit_to_cluster, replica_cpus
 from pipeline.serve.replicas import Replicas
+from tests.serve.conftest import ServeInstance
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,26 +74,27 @@ def test_the_builder_fits_the_config_as_serve_run_calls_it() -> None:
         fit_to_cluster(asked, prefix_routed(asked), cluster_cpus=2)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_raypack_serve_refuses_replicas_the_cluster_cannot_hold(tmp_path) -> None:
-    """The issue's case: 2 replicas of 1 CPU each plus the front on a 2-CPU Ray. Exit 2 naming
-    the flags and the CPUs, long before Serve would report anything (a guard, not a timing)."""
-    started = time.monotonic()
+def test_the_command_knows_the_cpus_of_the_ray_it_starts() -> None:
+    def cpus(flags: list[str], environ: dict[str, str]) -> int | None:
+        return local_ray_cpus(build_parser().parse_args(flags), environ)
+
+    assert cpus(["--ray-num-cpus", "2"], {}) == 2
+    assert cpus(["--ray-num-cpus", "2", "--address", "local"], {"RAY_ADDRESS": "h:1"}) == 2
+    assert cpus(["--ray-num-cpus", "2"], {"RAY_ADDRESS": "h:1"}) is None  # ray.init joins it
+    assert cpus(["--address", "h:1"], {}) is None
+    assert cpus([], {}) is None  # Ray counts them: fitted once it runs
+
+
+def refused(*flags: str) -> subprocess.CompletedProcess[str]:
+    """`raypack serve` (jobs/serve.py) asking for 2 replicas of 1 CPU each (plus the front)
+    with `flags`: it must exit 2 naming the flags and the CPUs, long before Serve would report
+    anything (the timeout is a guard, not a timing)."""
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    command = [sys.executable, "jobs/serve.py", "--num-replicas", "2", "--num-cpus", "1"]
     done = subprocess.run(
-        [
-            sys.executable,
-            "jobs/serve.py",
-            "--ray-num-cpus",
-            "2",
-            "--num-replicas",
-            "2",
-            "--num-cpus",
-            "1",
-            "--model",
-            "smollm2",
-        ],  # fmt: skip
+        [*command, "--model", "smollm2", *flags],
         cwd=REPO,
+        env=env,
         capture_output=True,
         text=True,
         timeout=110,
@@ -98,4 +102,24 @@ def test_raypack_serve_refuses_replicas_the_cluster_cannot_hold(tmp_path) -> Non
     assert done.returncode == 2, done.stderr[-3000:]
     assert "--num-cpus" in done.stderr and "--num-replicas 2" in done.stderr
     assert "the Ray cluster has 2" in done.stderr
-    assert time.monotonic() - started < 110
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_raypack_serve_refuses_replicas_a_local_ray_cannot_hold_before_starting_it() -> None:
+    """The issue's case on a 2-CPU local Ray: refused from the flags alone."""
+    done = refused("--ray-num-cpus", "2")
+    assert "Started a local Ray instance" not in done.stderr  # Ray's own line when it starts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_raypack_serve_refuses_replicas_the_cluster_it_joins_cannot_hold(
+    serve_instance: ServeInstance,
+) -> None:
+    """Joining a running cluster (the session's 2-CPU Ray): refused once connected, from the
+    cluster's own count. Its Serve is left alone (the command never reaches serve.start)."""
+    import ray
+
+    refused("--address", ray.get_runtime_context().gcs_address)
