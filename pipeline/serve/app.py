@@ -356,10 +356,16 @@ def replica_options(config: ServeConfig) -> dict[str, Any]:
     """Serve options for the replicas: their count (fixed, or an `autoscaling_config` aiming
     at the engine's max_num_seqs requests in progress unless told otherwise) and each one's
     resources (`num_cpus`; one GPU when its single-process engine runs on CUDA; a tp x pp
-    engine's GPUs are in its workers' bundles, placement_options)."""
+    engine's GPUs are in its workers' bundles, placement_options), and its malloc (a
+    `runtime_env` preloading tcmalloc where the machine has it: actors/allocator.py)."""
+    from actors.allocator import preload_env
+
     actor: dict[str, Any] = {"num_cpus": config.num_cpus}
     if config.engine.world_size == 1 and _uses_gpu(config.engine.device):
         actor["num_gpus"] = 1
+    env = preload_env(config.allocator)
+    if env:
+        actor["runtime_env"] = {"env_vars": env}
     return {
         "ray_actor_options": actor,
         **config.replicas.deployment_options(default_target=config.engine.max_num_seqs),

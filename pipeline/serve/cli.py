@@ -8,6 +8,7 @@ import argparse
 from collections.abc import Mapping
 from typing import NoReturn
 
+from actors.allocator import ALLOCATORS
 from packing.admission import POLICIES, AdmissionConfig
 from pipeline.chat_template import read_chat_template
 from pipeline.engine_flags import add_engine_flags, engine_config_from_args
@@ -108,6 +109,13 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.num_cpus,
         help="CPUs for each replica (default: fitted to the Ray cluster, (CPUs - the routing "
         "front's 0.1) / replicas, at most 1; more than the cluster has exits 2)",
+    )
+    group.add_argument(
+        "--allocator",
+        choices=ALLOCATORS,
+        default=d.allocator,
+        help="the replicas' malloc: tcmalloc where the machine has it (auto), tcmalloc (exit 2 "
+        "without it), or the system's",
     )
     group.add_argument(
         "--body-timeout-s", type=float, default=d.body_timeout_s, help="whole body within (408)"
@@ -225,6 +233,7 @@ def serve_config_from_args(
         api_keys_env=args.api_keys_env or None,
         api_keys_file=args.api_keys_file,
         num_cpus=args.num_cpus,
+        allocator=args.allocator,
         body_timeout_s=args.body_timeout_s,
         max_slow_bodies_per_client=args.max_slow_bodies_per_client,
         max_slow_bodies=args.max_slow_bodies,

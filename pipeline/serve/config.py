@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from actors import EngineConfig, SamplingParams
+from actors.allocator import ALLOCATORS
 from packing.admission import AdmissionConfig
 from pipeline.serve.replicas import Replicas
 
@@ -77,6 +78,8 @@ class ServeConfig:
     # CPUs reserved for each replica's actor (fractions allowed); on GPUs, one GPU each too.
     # None: fitted to the Ray cluster when the app is built (pipeline/serve/fit.py).
     num_cpus: float | None = None
+    # The replicas' malloc (actors/allocator.py): tcmalloc where the machine has it.
+    allocator: str = "auto"
     # Text inside chat messages that spells a special token (`<|im_end|>`) is tokenized as
     # plain text, so a client cannot forge a turn; True tokenizes it as the token (HF's default).
     allow_special_tokens_in_messages: bool = False
@@ -94,6 +97,8 @@ class ServeConfig:
     prefix_routing: bool = True
 
     def __post_init__(self) -> None:
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
         if self.engine.chunk_size is None:  # online: a long prompt shares steps with newcomers
             object.__setattr__(
                 self, "engine", replace(self.engine, chunk_size=serve_chunk_size(self.engine))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 import requests
 import yaml
 
+from actors.allocator import find_tcmalloc, preload_env
 from actors.config import EngineConfig
 from pipeline.commands.console import TOKEN_AUTH_LOGGER
 from pipeline.commands.serve import main as serve_main
@@ -48,7 +50,13 @@ def deployment_of(app: Any) -> Any:
 
 def test_builder_takes_string_args_as_serve_run_passes_them() -> None:
     app = serve_run_builder(
-        {"model": "/models/m", "num_replicas": "2", "num-cpus": "0.5", "max_num_seqs": "8"}
+        {
+            "model": "/models/m",
+            "num_replicas": "2",
+            "num-cpus": "0.5",
+            "max_num_seqs": "8",
+            "allocator": "system",
+        }
     )
     deployment = deployment_of(app)
     assert deployment.num_replicas == 2
@@ -104,10 +112,19 @@ def test_docs_config_is_a_serve_deploy_config_of_this_builder() -> None:
 
 
 def test_one_gpu_per_replica_when_the_engine_runs_on_cuda() -> None:
-    cpu = ServeConfig(engine=EngineConfig(dtype="float32", model="m", device="cpu"), num_cpus=0.5)
+    cpu = ServeConfig(
+        engine=EngineConfig(dtype="float32", model="m", device="cpu"),
+        num_cpus=0.5,
+        allocator="system",
+    )
     assert replica_options(cpu)["ray_actor_options"] == {"num_cpus": 0.5}
-    cuda = ServeConfig(engine=EngineConfig(dtype="float32", model="m", device="cuda"), num_cpus=0.5)
+    cuda = replace(cpu, engine=replace(cpu.engine, device="cuda"))
     assert replica_options(cuda)["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 1}
+    # the replicas' malloc: tcmalloc preloaded where the machine has it (actors/allocator.py)
+    auto = replica_options(replace(cpu, allocator="auto"))["ray_actor_options"]
+    assert auto.get("runtime_env") == (
+        {"env_vars": preload_env("auto")} if find_tcmalloc() else None
+    )
     # a tp engine's GPUs are its workers' bundles (placement_options), not the replica's
     tp = ServeConfig(
         engine=EngineConfig(dtype="float32", model="m", device="cuda", tensor_parallel_size=2)
