@@ -1,10 +1,10 @@
 """A worker that dies mid-step makes the engine fail loudly (a clear error, no hang). The tp=2
 engine first answers as the single-process engine does, then one of its workers is killed:
 one engine group for both checks. It runs without shared-prefix decode attention
-(test_parallel_architectures.py runs tp=2 with it) on the dynamic-NTK llama with short and
+(test_engine_in_group.py's tp=2 engine runs with it) on the dynamic-NTK llama with short and
 long prompts packed together, so it is also the check that each token's rope length travels
 in the step plan to the tp ranks (the rope check test_rope_parallel.py[llama-tp2] made on an
-engine of its own). pp=2 and tp=2 x pp=2 lose a stage in test_pipeline_faults.py (Ray tasks)
+engine of its own). tp=2 x pp=2 engines lose a stage in test_pipeline_faults.py (Ray tasks)
 and test_pipeline_parallel.py (a compiled graph)."""
 
 from __future__ import annotations
