@@ -45,6 +45,19 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="package")
+def rope_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Saved tiny rope models (phi3 longrope, llama dynamic NTK) with the SmolLM2 tokenizer."""
+    from tests.actors.rope_models import rope_model
+
+    folders = {}
+    for kind in ("phi3", "llama"):
+        folders[kind] = tmp_path_factory.mktemp("rope") / kind
+        rope_model(kind).save_pretrained(folders[kind])
+        load_tokenizer("smollm2").save_pretrained(folders[kind])
+    return folders
+
+
+@pytest.fixture(scope="package")
 def ray_temp_dir() -> Iterator[str]:
     """The folder's Ray temp dir; whatever Ray is still up when the folder's tests end is shut
     down then."""

@@ -1,6 +1,8 @@
 """An engine whose actor already runs in a placement group (one group per engine actor, as the
 offline job and Ray's LLM layer give them) puts its workers in that group and leaves it to its
-owner; the bundle layout and the group arithmetic behind it."""
+owner; the bundle layout and the group arithmetic behind it. Its tp=2 engine (prefix groups,
+shared-prefix attention) is also the parallel matrix's llama case
+(test_parallel_architectures.py)."""
 
 from __future__ import annotations
 
@@ -64,7 +66,10 @@ class EngineHost:
         info = {
             "same_group": runner.pg == get_current_placement_group(),
             "owns": runner.owns_placement_group,
-            "groups_while_running": len(placement_group_table()),
+            # live ones: the folder's Ray keeps earlier tests' removed groups in the table
+            "groups_while_running": sum(
+                g["state"] != "REMOVED" for g in placement_group_table().values()
+            ),
         }
         try:
             outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), groups)

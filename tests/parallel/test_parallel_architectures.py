@@ -29,6 +29,13 @@ RUNS = [(k, n) for k, n in RUNS if k == "tp" or MATRIX[n][0] not in TENSOR_PARAL
 # llama at tp=2 and pp=2, longrope phi3 at pp=2); their rope math is the single-process
 # engine's (tests/actors/test_architectures.py), which these runs compare against.
 RUNS = [(k, n) for k, n in RUNS if "rope_parameters" not in MATRIX[n][1]]
+# Two runs are engines other tests start anyway (each run here is one more group of two worker
+# processes importing torch): llama at tp=2 with prefix groups and shared-prefix attention is
+# test_engine_in_group.py's engine (the context llama: 2 KV heads, as the matrix's), and phi3's
+# layers at pp=2 are test_rope_parallel.py's (the longrope phi3; plain rope at pp=2 runs in
+# olmo2's case here, shared-prefix attention at pp=2 in olmo2's and the tp2xpp2 engines').
+ELSEWHERE = [("tp", "llama"), ("pp", "phi3")]
+RUNS = [run for run in RUNS if run not in ELSEWHERE]
 REFUSED = [
     (k, n) for k, (_, kinds) in SIZES.items() for n, (t, _) in MATRIX.items() if t not in kinds
 ]

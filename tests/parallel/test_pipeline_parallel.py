@@ -1,5 +1,6 @@
-"""Pipeline parallel (pp=2) and tp=2 x pp=2 give the single-process engine's greedy tokens,
-through one Ray task per worker per step (the CPU default) and through a Ray compiled graph."""
+"""tp=2 x pp=2 through a Ray compiled graph gives the single-process engine's greedy tokens with
+two steps in flight, and fails loudly when a stage dies; the same layout through one Ray task
+per worker per step (the CPU default) is test_pipeline_faults.py's engine."""
 
 from __future__ import annotations
 
@@ -22,34 +23,23 @@ def expected(llama_dir, prompts_and_groups):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("compiled", [None, True], ids=["tp2xpp2", "tp2xpp2-compiled"])
-def test_pipeline_matches_single_process(
-    ray_local, llama_dir, prompts_and_groups, expected, compiled
-) -> None:
-    """pp=2 alone, through Ray tasks: test_failures.py[pp]; through the graph: below."""
-    prompts, groups = prompts_and_groups
-    config = engine_config(llama_dir, tensor_parallel_size=2, pipeline_parallel_size=2)
-    got = run_engine(config, prompts, groups, compiled_graph=compiled)
-    assert_same_tokens(llama_dir, prompts, got, expected)
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_pipelined_engine_keeps_two_steps_in_flight_then_fails_loudly(
     ray_local, llama_dir, prompts_and_groups, expected
 ):
-    """pp=2 through a compiled graph as the engine's executor: the engine's two request sets
-    have steps in flight together and the tokens are the single-process engine's; then,
+    """tp=2 x pp=2 through a compiled graph as the engine's executor: the engine's two request
+    sets have steps in flight together and the tokens are the single-process engine's; then,
     through the graph too, a stage that dies mid-step is a WorkerFailedError that names it
     and the step, the engine refuses further steps, and the group is released. One engine
-    group for both (each costs two worker processes importing torch)."""
+    group for all of it (each worker is a process importing torch): the tp2xpp2 compiled
+    engine that only compared tokens is this one."""
     from actors import LLMEngine, SamplingParams
     from actors.parallel.compiled import CompiledSteps
     from actors.parallel.pipelined import bubble_fraction
 
     prompts, groups = prompts_and_groups
-    engine = LLMEngine(engine_config(llama_dir, pipeline_parallel_size=2), compiled_graph=True)
+    config = engine_config(llama_dir, tensor_parallel_size=2, pipeline_parallel_size=2)
+    engine = LLMEngine(config, compiled_graph=True)
     try:
         assert isinstance(engine.runner, CompiledSteps) and engine.runner.max_in_flight == 2
         assert len(engine.scheduler.schedulers) == 2
