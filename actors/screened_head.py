@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
 # Candidates above this in one row: that row takes the full float32 head.
 MAX_CANDIDATES = 256
+BLOCK = 256  # columns per block of the candidate search
 _U_BF16 = 2.0**-8
 _U_FP32 = 2.0**-24
 _MARGIN = 1.05
@@ -169,7 +170,8 @@ class ScreenedHead:
         rows = hidden.shape[0]
         h_b = hidden.to(torch.bfloat16)
         y = torch.ops.mkldnn._linear_pointwise(h_b, self.packed, None, "none", [], "")
-        top = y.amax(dim=1).double()
+        block_max = _block_max(y)
+        top = block_max.amax(dim=1).double()
         a = self.error_bound(hidden, h_b)
         cu = _U_BF16 * _MARGIN
         lower_top = top - cu * top.abs()
@@ -177,9 +179,15 @@ class ScreenedHead:
         t = torch.where(t >= 0, t / (1 + cu), t / (1 - cu))
         # Rounded down to bfloat16: round-to-nearest of t - 2^-7|t| is below t.
         t_b = (t - t.abs() * 2.0**-7).to(torch.bfloat16)
-        row_idx, cols = (y >= t_b[:, None]).nonzero(as_tuple=True)
+        # Blocks holding a candidate first (a pass over y is what screening costs; the block
+        # maxima are one, and the candidates are found in the few blocks that reach t).
+        blk_rows, blks = (block_max >= t_b[:, None]).nonzero(as_tuple=True)
+        blk_counts = torch.bincount(blk_rows, minlength=rows)
+        bad = (blk_counts == 0) | (blk_counts > MAX_CANDIDATES) | ~torch.isfinite(t)
+        keep = ~bad[blk_rows]
+        row_idx, cols = _in_blocks(y, t_b, blk_rows[keep], blks[keep])
         counts = torch.bincount(row_idx, minlength=rows)
-        bad = (counts == 0) | (counts > MAX_CANDIDATES) | ~torch.isfinite(t)
+        bad |= counts > MAX_CANDIDATES
         keep = ~bad[row_idx]
         row_idx, cols = row_idx[keep], cols[keep]
         vals = (self.weight[cols] * hidden[row_idx]).sum(dim=1)
@@ -201,3 +209,27 @@ class ScreenedHead:
         self.stats.fallback_rows += len(fallback)
         self.stats.candidates += int(counts.sum()) - int(counts[bad].sum())
         return tokens
+
+
+def _block_max(y: torch.Tensor) -> torch.Tensor:
+    """The max of each `BLOCK` columns of `y` `[rows, vocab]` (the last block may be
+    shorter): `[rows, ceil(vocab / BLOCK)]`."""
+    rows, vocab = y.shape
+    full = vocab // BLOCK
+    parts = [y.as_strided((rows, full, BLOCK), (y.stride(0), BLOCK, 1)).amax(dim=2)]
+    if vocab % BLOCK:
+        parts.append(y[:, full * BLOCK :].amax(dim=1, keepdim=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _in_blocks(
+    y: torch.Tensor, t_b: torch.Tensor, rows: torch.Tensor, blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every y[row, column] >= t_b[row] in the given (row, block) pairs."""
+    vocab = y.shape[1]
+    cols = blocks[:, None] * BLOCK + torch.arange(BLOCK)  # [pairs, BLOCK]
+    inside = cols < vocab
+    cols = cols.clamp(max=vocab - 1)
+    hit = (y[rows[:, None], cols] >= t_b[rows][:, None]) & inside
+    pair, offset = hit.nonzero(as_tuple=True)
+    return rows[pair], cols[pair, offset]

@@ -70,6 +70,8 @@ def test_near_ties_that_bfloat16_cannot_see_are_decided_in_float32() -> None:
         w[100 + row] = w[best[row]] + nudge
     # an exact tie: the lowest index wins, as torch.argmax
     w[5000] = w[best[0]]
+    # the winner in the last, short block of the candidate search (6000 = 23 x 256 + 112)
+    w[5999] = w[best[2]] + hidden[2] / hidden[2].norm() * 2e-3
     full = head(hidden)
     gap = (full[torch.arange(6), 100 + torch.arange(6)] - full[torch.arange(6), best]).abs()
     top = full[torch.arange(6), best].abs()
@@ -79,6 +81,7 @@ def test_near_ties_that_bfloat16_cannot_see_are_decided_in_float32() -> None:
     assert torch.equal(got, full.argmax(dim=-1))
     assert got.tolist()[1::2] == [101, 103, 105]
     assert got[0] == min(int(best[0]), 5000)
+    assert got[2] == 5999
 
 
 @torch.inference_mode()
