@@ -62,6 +62,7 @@ class _ForcingRunner:
 
     def collect(self, handle: Any) -> tuple[list[Request], torch.Tensor]:
         sampling, logits = self.inner.collect(handle)
+        assert isinstance(logits, torch.Tensor), "teacher forcing turns the screened head off"
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top1 = logprobs.argmax(dim=-1).tolist()
         forced = torch.full_like(logprobs, float("-inf"))  # (the logits are inference tensors)
@@ -99,11 +100,17 @@ def teacher_forced(
     ids = engine.add_prompts(prompts, params)
     forcing = _ForcingRunner(inner, {i: list(t) for i, t in zip(ids, targets, strict=True)})
     engine.runner = forcing
+    # the forcing reads full logits: no screened greedy head meanwhile (actors/screened_head.py)
+    screened = getattr(inner, "screened_head", None)
+    if screened is not None:
+        inner.screened_head = None  # type: ignore[attr-defined]
     try:
         while engine.has_unfinished():
             engine.step()
     finally:
         engine.runner = inner
+        if screened is not None:
+            inner.screened_head = screened  # type: ignore[attr-defined]
     top1, logprobs = [], []
     for i, target in zip(ids, targets, strict=True):
         seen = forcing.seen[i]

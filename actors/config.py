@@ -21,6 +21,8 @@ ATTENTION_BACKENDS = ("auto", "cpu_kernel", "sdpa", "varlen")
 # How the model's linear layers run (`actors.cpu_linear`); "auto": onednn on CPU.
 LinearBackendName = Literal["auto", "onednn", "torch"]
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
+LmHeadScreen = Literal["auto", "on", "off"]
+LM_HEAD_SCREENS = ("auto", "on", "off")
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -75,6 +77,13 @@ class EngineConfig:
     # (actors/rotary_attention.py) and Llama-style layers as one function with fewer fresh
     # tensors (actors/llama_layer.py); bit-identical. False: transformers' layers as they are
     fused_layers: bool = True
+    # Greedy steps (every sampling row greedy, no logprobs, penalties, bias or grammar) take
+    # the float32 argmax from a bfloat16 LM head plus an error bound and a float32 recompute
+    # of the few candidates (actors/screened_head.py; the same tokens). "auto": float32 on a
+    # CPU with native bfloat16 (avx512_bf16 or amx_bf16); "on": any CPU float32 engine of a
+    # listed architecture; "off": the full float32 head. Single-process engines only (tp/pp
+    # workers keep the full head)
+    lm_head_screen: LmHeadScreen = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # "auto": the model's generation_config.json sampling values (temperature, top_p, top_k,
     # min_p, repetition_penalty) are the defaults of requests that do not set them, as vLLM's
@@ -141,6 +150,10 @@ class EngineConfig:
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(
                 f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}"
+            )
+        if self.lm_head_screen not in LM_HEAD_SCREENS:
+            raise ValueError(
+                f"lm_head_screen must be one of {LM_HEAD_SCREENS}, got {self.lm_head_screen!r}"
             )
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(

@@ -25,9 +25,10 @@ from actors.outputs import FinishReason, RequestOutput, TokenLogprob
 from actors.prompt_queue import PromptQueue, _describe
 from actors.request import Request
 from actors.rope import RopePolicy
-from actors.sampler import Sampler
+from actors.sampler import Sampler, SamplerOutput
 from actors.samples import SampleBook, per_prompt_params
 from actors.scheduler import SchedulerOutput
+from actors.screened_head import GreedyTokens
 from actors.stats import EngineStats, StepStats
 from actors.virtual_schedulers import VirtualSchedulers
 from packing.step_budget import StepBudgetController
@@ -227,14 +228,18 @@ class LLMEngine(PromptQueue):
     def _apply_samples(
         self,
         sampling: list[Request],
-        logits: torch.Tensor,
+        logits: torch.Tensor | GreedyTokens,
         outputs: list[RequestOutput],
     ) -> None:
         """Sample one token per request, append it, and retire the requests that stop
         (freed in their request set); an output per request that got a token.
         A request whose sampling or postprocessing raises ends alone with an error."""
-        self.guided.apply(logits, sampling)  # grammars' masks first, for greedy and random
-        sampled = self.sampler.sample_each(logits, sampling)
+        if isinstance(logits, GreedyTokens):  # a screened step: plain greedy rows only
+            tokens = logits.token_ids.tolist()
+            sampled = SamplerOutput(tokens, [None] * len(tokens))
+        else:
+            self.guided.apply(logits, sampling)  # grammars' masks first, greedy and random
+            sampled = self.sampler.sample_each(logits, sampling)
         finished: dict[FinishReason, list[Request]] = {}
         for row, (req, token_id, logprob) in enumerate(
             zip(sampling, sampled.token_ids, sampled.logprobs, strict=True)

@@ -3,7 +3,9 @@
 The step is ONE sequence: each scheduled request contributes its next `num_new` tokens, with
 positions continuing after its cached tokens (`packing.layout.flat_layout`) and K/V slots from
 its block table (`packing.layout.slot_mapping`). Decodes come first so attention can batch
-them. Logits are computed only at the last row of each request that samples this step.
+them. Logits are computed only at the last row of each request that samples this step; on a step
+whose sampling rows are all plain greedy, with `lm_head_screen`, the runner returns their
+tokens instead (`actors.screened_head`: a bfloat16 head screens, float32 decides).
 
 `prepare` (layout -> tensors) and `forward` (model call) are separate on purpose. The
 padded and Prepacking prefills the benchmarks compare against live in `benchmarks/modes.py`.
@@ -18,12 +20,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from actors import attention, cpu_linear, llama_layer, rotary_attention
+from actors import attention, cpu_linear, dtypes, llama_layer, rotary_attention, screened_head
 from actors.config import EngineConfig
 from actors.kv_cache import allocate_kv_tensors
 from actors.request import Request
 from actors.rope import RequestRotary, RopePolicy, rotary_module, token_rope_lens
 from actors.scheduler import SchedulerOutput
+from actors.screened_head import GreedyTokens, ScreenedHead
 from actors.step_layout import lay_out
 from packing.layout import slot_mapping
 
@@ -40,6 +43,7 @@ class ModelInput:
     sampling: list[Request]  # the requests those rows belong to, in the same order
     attn: attention.AttentionMetadata
     rope_lens: torch.Tensor | None = None  # [num_tokens] length-dependent rope only
+    screen: bool = False  # every sampling row plain greedy: tokens from the screened head
 
 
 def model_geometry(model: Any) -> tuple[int, int, int]:
@@ -91,6 +95,11 @@ class ModelRunner:
             if config.fused_layers:
                 rotary_attention.install(model)
                 llama_layer.install(model)
+        self.screened_head: ScreenedHead | None = None
+        cpu = dtypes.cpu_info()
+        if screened_head.wanted(config.lm_head_screen, model, self.device, self.dtype, cpu):
+            self.screened_head = ScreenedHead(model.get_output_embeddings(), cpu_linear.BATCH_HINT)
+            logger.info("greedy steps take the screened bfloat16 LM head (lm_head_screen)")
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """Lay the step out as one flat sequence (decodes first; `actors.step_layout`)."""
@@ -119,6 +128,8 @@ class ModelRunner:
             sampling=step.sampling,
             attn=meta,
             rope_lens=rope_lens,
+            screen=self.screened_head is not None
+            and all(screened_head.screenable(r) for r in step.sampling),
         )
 
     @torch.inference_mode()
@@ -133,25 +144,32 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     @torch.inference_mode()
-    def forward(self, inputs: ModelInput) -> torch.Tensor:
-        """Run the model; float32 logits `[num_sampling, vocab]`."""
+    def forward(self, inputs: ModelInput) -> torch.Tensor | GreedyTokens:
+        """Run the model; float32 logits `[num_sampling, vocab]`, or on a screened step the
+        greedy tokens themselves."""
         if self.rotary is not None:
             self.rotary.for_step(inputs.rope_lens)
+        kwargs = {
+            "input_ids": inputs.input_ids,
+            "position_ids": inputs.position_ids,
+            "use_cache": False,
+            attention.ATTN_KWARG: inputs.attn,
+        }
         try:
-            out = self.model(
-                input_ids=inputs.input_ids,
-                position_ids=inputs.position_ids,
-                logits_to_keep=inputs.logits_indices,
-                use_cache=False,
-                **{attention.ATTN_KWARG: inputs.attn},
-            )
+            if inputs.screen and self.screened_head is not None:
+                out = self.model.get_decoder()(**kwargs)
+            else:
+                out = self.model(logits_to_keep=inputs.logits_indices, **kwargs)
         finally:
             if self.rotary is not None:
                 self.rotary.for_step(None)
+        if inputs.screen and self.screened_head is not None:
+            hidden = out.last_hidden_state[0, inputs.logits_indices]
+            return GreedyTokens(self.screened_head.argmax(hidden))
         logits: torch.Tensor = out.logits[0].float()
         return logits
 
-    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor | GreedyTokens]:
         """Copy blocks, run the step; the sampling requests and their logits."""
         self.copy_blocks(sched.block_copies)
         inputs = self.prepare(sched)
@@ -163,15 +181,15 @@ class ModelRunner:
 
     def submit(
         self, sched: SchedulerOutput, block_offset: int = 0
-    ) -> tuple[list[Request], torch.Tensor]:
+    ) -> tuple[list[Request], torch.Tensor | GreedyTokens]:
         """Run one step now (one KV pool: `block_offset` is 0)."""
         assert block_offset == 0, "a single-process runner has one KV pool"
         return self.execute(sched)
 
     def collect(
-        self, handle: tuple[list[Request], torch.Tensor]
-    ) -> tuple[list[Request], torch.Tensor]:
-        """The submitted step's sampling requests and logits."""
+        self, handle: tuple[list[Request], torch.Tensor | GreedyTokens]
+    ) -> tuple[list[Request], torch.Tensor | GreedyTokens]:
+        """The submitted step's sampling requests and logits (or screened greedy tokens)."""
         return handle
 
     def shutdown(self) -> None:
@@ -203,6 +221,6 @@ class StepRunner(Protocol):
 
     def submit(self, sched: SchedulerOutput, block_offset: int = 0) -> Any: ...
 
-    def collect(self, handle: Any) -> tuple[list[Request], torch.Tensor]: ...
+    def collect(self, handle: Any) -> tuple[list[Request], torch.Tensor | GreedyTokens]: ...
 
     def shutdown(self) -> None: ...

@@ -95,6 +95,7 @@ def run_engine(
     args: argparse.Namespace,
     linear_backend: str = "auto",
     fused_layers: bool = True,
+    lm_head_screen: str = "auto",
 ) -> dict[str, Any]:
     """Our engine in this process: load seconds, each `generate` call's seconds, outputs."""
     import torch
@@ -105,6 +106,7 @@ def run_engine(
         dtype=args.dtype,
         linear_backend=linear_backend,  # type: ignore[arg-type]
         fused_layers=fused_layers,
+        lm_head_screen=lm_head_screen,  # type: ignore[arg-type]
     )
     engine = LLMEngine(config)
     loaded = time.perf_counter()
@@ -117,9 +119,12 @@ def run_engine(
         outs = engine.generate(prompts, params)
         seconds.append(time.perf_counter() - t0)
         outputs = outputs or [list(o.token_ids) for o in outs]
+    screened = getattr(engine.runner, "screened_head", None)
+    screen = None if screened is None else screened.stats.summary()  # warm-up + all calls
     del engine
     gc.collect()
-    return {"load_s": loaded - started, "seconds": seconds, "outputs": outputs}
+    run = {"load_s": loaded - started, "seconds": seconds, "outputs": outputs}
+    return run if screen is None else {**run, "lm_head_screen": screen}
 
 
 def run_jobs(rows: list[tuple[str, list[dict]]], args: argparse.Namespace, work: Path) -> dict:
@@ -180,6 +185,8 @@ def summarize(name: str, run: dict[str, Any], reference: list[list[int]] | None)
     }
     if "load_s" in run:
         entry["load_s"] = round(run["load_s"], 1)
+    if "lm_head_screen" in run:
+        entry["lm_head_screen"] = run["lm_head_screen"]
     if "job_s" in run:
         entry["median_job_s"] = round(statistics.median(run["job_s"]), 2)
     if reference is not None:
@@ -207,6 +214,12 @@ def main(argv: list[str] | None = None) -> None:
         "--fused-layers",
         default="on",
         help="the engine mode once per EngineConfig.fused_layers (on, off: `engine-unfused`)",
+    )
+    parser.add_argument(
+        "--lm-head-screen",
+        default="auto",
+        help="the engine mode once per EngineConfig.lm_head_screen (auto, on: "
+        "`engine-screen`, off: `engine-noscreen`)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -241,9 +254,11 @@ def main(argv: list[str] | None = None) -> None:
             if "engine" in modes:
                 for backend in args.linear_backends.split(","):
                     for fused in args.fused_layers.split(","):
-                        key = "engine" if backend == "auto" else f"engine-{backend}"
-                        key += "" if fused == "on" else "-unfused"
-                        runs[key] = run_engine(prompts, args, backend, fused == "on")
+                        for screen in args.lm_head_screen.split(","):
+                            key = "engine" if backend == "auto" else f"engine-{backend}"
+                            key += "" if fused == "on" else "-unfused"
+                            key += {"auto": "", "on": "-screen"}.get(screen, "-noscreen")
+                            runs[key] = run_engine(prompts, args, backend, fused == "on", screen)
             if "job" in modes:
                 runs["job"] = run_jobs(rows, args, work)
             reference = runs["vllm"]["outputs"] if "vllm" in runs else None

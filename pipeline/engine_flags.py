@@ -14,12 +14,19 @@ from __future__ import annotations
 import argparse
 from typing import Any, get_args
 
-from actors.config import DTYPE_NAMES, LINEAR_BACKENDS, EngineConfig, PlacementStrategy
+from actors.config import (
+    DTYPE_NAMES,
+    LINEAR_BACKENDS,
+    LM_HEAD_SCREENS,
+    EngineConfig,
+    PlacementStrategy,
+)
 
 # The EngineConfig fields a flag sets, by argparse dest (the flag is --dest-with-dashes).
 _FIELDS = (
     "model",
     "dtype",
+    "lm_head_screen",
     "max_model_len",
     "max_num_batched_tokens",
     "max_num_seqs",
@@ -68,6 +75,13 @@ def add_engine_flags(
         action="store_true",
         help="transformers' decoder layers as they are (default: with the onednn linear, q/k/v "
         "as one matmul and Llama-style layers as one function; the same logits, faster)",
+    )
+    g.add_argument(
+        "--lm-head-screen",
+        choices=list(LM_HEAD_SCREENS),
+        default=d.lm_head_screen,
+        help="greedy steps from a bfloat16 LM head, exact after a float32 recompute of the "
+        "few candidate tokens: auto (float32 on a CPU with avx512_bf16 or amx), on, off",
     )
     g.add_argument("--max-model-len", type=int, help="context length cap (default: the model's)")
     g.add_argument(

@@ -29,6 +29,7 @@ def test_parallel_and_engine_flags() -> None:
         *("--max-num-batched-tokens", "48", "--no-prefix-caching", "--dtype", "bfloat16"),
         "--no-shared-prefix-attention",
         "--no-fused-layers",
+        *("--lm-head-screen", "off"),
     )
     config = engine_config_from_args(args, seed=5)
     assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (2, 3)
@@ -41,10 +42,13 @@ def test_parallel_and_engine_flags() -> None:
     assert not config.enable_prefix_caching and config.dtype == "bfloat16"
     assert not config.shared_prefix_attention and EngineConfig().shared_prefix_attention
     assert not config.fused_layers and EngineConfig().fused_layers
+    assert config.lm_head_screen == "off" and EngineConfig().lm_head_screen == "auto"
     assert config.model == "/m" and config.seed == 5
 
 
 def test_a_bad_value_names_the_field() -> None:
+    with pytest.raises(ValueError, match="lm_head_screen"):
+        EngineConfig(lm_head_screen="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         engine_config_from_args(_parse("-tp", "0"))
 
