@@ -182,6 +182,30 @@ def job_processor(config: JobConfig, prepared: PreparedJob) -> Processor:
     )
 
 
+def id_rows(
+    config: JobConfig,
+    prepared: PreparedJob,
+    done_ids: DoneIds | tuple[()] = (),
+    collector=None,  # noqa: ANN001 (actor handle of StatsCollector)
+):  # noqa: ANN201 (ray.data.Dataset)
+    """The input read by Ray Data tasks and given the job's ids (`RowIdStage`: stable ids,
+    those in `done_ids` dropped, rows registered with the `collector`)."""
+    compute = config.compute
+    ds = read_dataset(
+        prepared.source,
+        config.input.hf_split,
+        compute.task_num_cpus,
+        compute.rows_per_block,
+        prepared.checked,
+    )
+    return ds.map_batches(
+        RowIdStage(prepared.id_column, done_ids, collector),
+        batch_format="pyarrow",
+        batch_size=None,
+        num_cpus=compute.task_num_cpus,
+    )
+
+
 def build_dataset(
     config: JobConfig,
     prepared: PreparedJob,
@@ -195,20 +219,7 @@ def build_dataset(
     the job's id stage (stable ids, ids already written dropped, rows registered with the
     `collector`), then the processor's path (`Processor.engine_rows`) with the job's keep
     columns carried, its collector, its tp x pp placement groups and its `progress` board."""
-    compute = config.compute
-    ds = read_dataset(
-        prepared.source,
-        config.input.hf_split,
-        compute.task_num_cpus,
-        compute.rows_per_block,
-        prepared.checked,
-    )
-    ds = ds.map_batches(
-        RowIdStage(prepared.id_column, done_ids or (), collector),
-        batch_format="pyarrow",
-        batch_size=None,
-        num_cpus=compute.task_num_cpus,
-    )
+    ds = id_rows(config, prepared, done_ids or (), collector)
     return job_processor(config, prepared).engine_rows(
         ds,
         carry=config.input.keep_columns,
@@ -335,21 +346,7 @@ def rows_left(config: JobConfig, prepared: PreparedJob, done: DoneIds, num_done:
     total = prepared.checked.num_rows
     if num_done == 0 or total is None or num_done < total:
         return None
-    compute = config.compute
-    ds = read_dataset(
-        prepared.source,
-        config.input.hf_split,
-        compute.task_num_cpus,
-        compute.rows_per_block,
-        prepared.checked,
-    )
-    ds = ds.map_batches(
-        RowIdStage(prepared.id_column, done),
-        batch_format="pyarrow",
-        batch_size=None,
-        num_cpus=compute.task_num_cpus,
-    )
-    return int(ds.count())
+    return int(id_rows(config, prepared, done).count())
 
 
 def _generate(
