@@ -61,7 +61,11 @@ def test_held_bodies_do_not_starve_health_or_normal_requests(live: Live) -> None
     finally:
         for sock in socks:
             sock.close()
-    assert set(statuses) <= {408, 429}, statuses
+    # 408: waited for, then timed out; 429: over the slow-body caps; 503: Serve's own
+    # back-pressure (max_queued_requests), which counts a request from its arrival until a
+    # replica accepts it, so a burst of 60 at once can pass the bound on a loaded box (seen
+    # once in the suite, 2026-11-26). Each is an answer; none holds the others up.
+    assert set(statuses) <= {408, 429, 503}, statuses
     # within the per-client cap the bodies were waited for, then timed out
     assert statuses.count(408) >= PER_CLIENT_SLOW, statuses
     assert requests.get(live.url("/health", "auth"), timeout=60).json()["status"] == "ok"
