@@ -253,6 +253,8 @@ class Processor:
         index, never beside its old samples. Its samples are told apart from other rows' by
         `id_column` (ValueError without one, or for an error row whose id is null).
 
+        With no error row, `ds` comes back as it is and no actor starts.
+
         `ds` is materialized first: the rows kept and the rows retried are both read from it,
         and a lazy `ds` would otherwise be computed once for each (a user's map that does not
         give the same rows twice, e.g. a row that fails only sometimes, could then be kept
@@ -269,9 +271,11 @@ class Processor:
                 f"columns. Its columns: {names}"
             )
         if not self.config.with_samples:
+            failed = ds.filter(expr=col(stage.ERROR).is_not_null()).materialize()
+            if failed.count() == 0:  # nothing to redo: no tokenizer or engine actor started
+                return ds
             kept = ds.filter(expr=col(stage.ERROR).is_null())
-            failed = ds.filter(expr=col(stage.ERROR).is_not_null()).drop_columns(outputs)
-            return kept.union(self(failed))
+            return kept.union(self(failed.drop_columns(outputs)))
         key = self.config.id_column
         if key is None:
             raise ValueError(

@@ -199,9 +199,12 @@ def test_token_ids_with_logprobs_filtered_after(ray_cluster, tiny_model_dir, ref
         assert by_k[k]["error"] is None, by_k[k]
         assert list(by_k[k]["generated_token_ids"]) == list(ref.token_ids), k
         assert [lp["token_id"] for lp in by_k[k]["logprobs"]] == list(ref.token_ids)
-    # Nothing left to retry: the rows come back as they are (the processor's run on an
-    # empty input).
+    # Nothing left to retry: the rows come back as they are (and no actor starts).
+    from ray._private.state import actors
+
+    started = set(actors())
     again = processor.retry_errors(ray.data.from_items(retried)).take_all()
+    assert set(actors()) == started
     assert sorted(r["k"] for r in again) == sorted(by_k)
     assert not any(r["error"] for r in again)
 
