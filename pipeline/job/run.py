@@ -271,7 +271,8 @@ def run_job(
     """Run the whole job into `config.output` (resuming what is there) and report.
     `on_written` gets the written Ray Dataset, executed (benchmarks read its per-operator
     stats: `get_stats_summary()`; not called when a rerun finds every row done: then no actor
-    starts, see `rows_left`). `watch(board, rows_already_done)` is entered while the job runs, with a `pipeline.job.progress.ProgressBoard` the engine actors report to (the
+    starts, see `rows_left`). `watch(board, rows_already_done)` is entered while the job
+    runs, with a `pipeline.job.progress.ProgressBoard` the engine actors report to (the
     command's progress display: `pipeline.job.progress.watch`).
 
     The output folder is claimed for the run and its lineage settled (`claim_output`:
