@@ -1,14 +1,16 @@
 """The memory allocator of the engine's processes: tcmalloc where the machine has it.
 
 glibc's malloc hands large blocks (a step's activations, a 49,152-wide row of logits per
-sequence) back to the kernel and gets fresh, zeroed pages for the next ones, and its
-per-thread arenas suit the engine actor's threads (one steps, others feed shards) poorly.
+sequence) back to the kernel early on and gets fresh, zeroed pages for the next ones;
 tcmalloc keeps freed blocks for reuse. Measured on a 2-core AMD EPYC
-(docs/benchmarks-job-engine.md, "The allocator"): a 525-prompt float32 job's engine steps took
-36.6-37.7 s with its engine actor on tcmalloc against 41.6-42.3 s on glibc's, the job 44.1-45.6
-s against 48.9-49.6 s; an engine's first `generate` lost its ~1.4 s penalty. vLLM's CPU backend asks for tcmalloc the same way (an `LD_PRELOAD`); here the job and
-the processor set it on their engine actors themselves (`preload_env`, a Ray `runtime_env`),
-so nobody has to remember it. It has to be there before the process starts: an engine built
+(docs/benchmarks-job-engine.md, "The allocator"): a 525-prompt float32 job's engine steps
+took 36.6-37.7 s with its engine actor on tcmalloc against 41.6-42.3 s on glibc's (the job
+44.1-45.6 s against 48.9-49.6 s), and an engine's first `generate` lost its ~1.4 s penalty;
+why the engine actor (which also runs the threads that feed it shards) gains more than an
+engine alone (~1 % after its first call) was not settled. vLLM's CPU backend asks for
+tcmalloc the same way (an `LD_PRELOAD`); here the job, the processor and Serve set it on
+their engine processes themselves (`preload_env`, a Ray `runtime_env`), so nobody has to
+remember it. It has to be there before the process starts: an engine built
 in a user's own process (`LLMEngine`) keeps the process's allocator.
 
 tcmalloc comes with the OS (`apt install libtcmalloc-minimal4`, `dnf install
@@ -22,11 +24,9 @@ from __future__ import annotations
 import ctypes.util
 import logging
 import os
-from typing import Literal
 
 logger = logging.getLogger(__name__)
 
-Allocator = Literal["auto", "tcmalloc", "system"]
 ALLOCATORS: tuple[str, ...] = ("auto", "tcmalloc", "system")
 _LIBRARY = "tcmalloc_minimal"  # gperftools' tcmalloc without the heap profiler (vLLM's choice)
 
@@ -39,7 +39,7 @@ def find_tcmalloc() -> str | None:
 
 def preload_env(allocator: str) -> dict[str, str]:
     """Environment variables that give a new process `allocator`: {"LD_PRELOAD": ...} for
-    tcmalloc (after what this process already preloads), {} for the system's. `tcmalloc`
+    tcmalloc (ahead of what this process already preloads), {} for the system's. `tcmalloc`
     where it is missing is a ValueError; `auto` then falls back to the system's."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
