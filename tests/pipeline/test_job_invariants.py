@@ -165,7 +165,10 @@ def test_checks_before_ray_accept_or_refuse_naming_a_flag_or_the_input(job, tiny
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @settings(
-    max_examples=2,  # plus the two explicit examples: four jobs, each run twice (~80 s)
+    # plus the two explicit examples: three jobs and their reruns (a rerun with nothing left
+    # starts no actor); one generated example since 2026-11-26 (two cost ~8 s more of the
+    # suite's critical path), the cheap tier above explores 60
+    max_examples=1,
     deadline=None,
     derandomize=True,  # the same few whole jobs each run; the tier above explores
     phases=[Phase.explicit, Phase.generate],  # no shrinking: each example is a Ray job
