@@ -45,18 +45,36 @@ def status_of(sock: socket.socket) -> int:
     return int(received.split(b" ", 2)[1]) if received else 0
 
 
+def _answered(send):  # noqa: ANN001, ANN202 (a request function; its response)
+    """`send()` again while Serve's own back-pressure answers 503 (its max_queued_requests
+    counts a burst of arrivals until a replica accepts them, which on a loaded box can pass
+    the bound for a moment; seen twice in the suite, 2026-11-26), after its Retry-After or
+    0.2 s, for at most 3 s: a client told to retry is not starved."""
+    deadline = time.monotonic() + 3
+    answer = send()
+    while answer.status_code == 503 and time.monotonic() < deadline:
+        time.sleep(min(0.2, float(answer.headers.get("Retry-After", 0.2))))
+        answer = send()
+    return answer
+
+
 def test_held_bodies_do_not_starve_health_or_normal_requests(live: Live) -> None:
     """The auth app takes 48 requests at once (Serve's max_ongoing_requests): without a body
     timeout and the slow-body caps, 60 held bodies would queue everything behind them."""
     assert live.configs["auth"].ongoing_limit < SLOW_CONNECTIONS
     socks = [open_slow_body(live, "/auth/v1/completions") for _ in range(SLOW_CONNECTIONS)]
+    held_until = time.monotonic() + 5  # the bodies time out after 10 s (body_timeout_s)
     try:
-        assert requests.get(live.url("/health", "auth"), timeout=60).status_code == 200
+        health = _answered(lambda: requests.get(live.url("/health", "auth"), timeout=60))
+        assert health.status_code == 200
         key = {"Authorization": f"Bearer {API_KEY}"}
-        answer = requests.post(
-            live.url("/v1/completions", "auth"), json=OK, headers=key, timeout=60
+        answer = _answered(
+            lambda: requests.post(
+                live.url("/v1/completions", "auth"), json=OK, headers=key, timeout=60
+            )
         )
         assert answer.status_code == 200, answer.text
+        assert time.monotonic() < held_until  # answered while every body was still held
         statuses = [status_of(sock) for sock in socks]
     finally:
         for sock in socks:
