@@ -274,13 +274,17 @@ class LLMEngine(PromptQueue):
         tokens: the prefix is computed once and its KV blocks shared by the members. Groups
         may nest (`PrefixGroup.parent`, as `packing.prefix_forest` makes them): a nested
         group's prefix extends its parent's, computing only its own extra tokens, and each
-        prompt starts from the deepest group that holds it. A prompt with `n` (or `best_of`)
-        > 1 is queued as that many samples in a group of their own (actors/samples.py).
+        prompt starts from the deepest group that holds it. None: the engine plans them over
+        these prompts (`EngineConfig.plan_prefix_groups`; an empty list: no groups). A prompt
+        with `n` (or `best_of`) > 1 is queued as that many samples in a group of their own
+        (actors/samples.py).
         """
+        if prefix_groups is None and not self.config.plan_prefix_groups:
+            prefix_groups = ()
         return self._queue(
             prompts,
             per_prompt_params(params, len(prompts), self.default_params),
-            prefix_groups or (),
+            prefix_groups,
             None,
         )
 

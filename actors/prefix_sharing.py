@@ -1,7 +1,8 @@
 """Prefix groups of a `generate` call: validated, turned into engine state, and ordered.
 
-The planner (`packing.prefix`) names prompts that share their first `prefix_len` tokens;
-groups may nest (`PrefixGroup.parent`). Here each group that will really share (two or more
+The planner (`packing.prefix`) names prompts that share their first `prefix_len` tokens
+(the job's plan per shard, or `call_groups` over a call given none); groups may nest
+(`PrefixGroup.parent`). Here each group that will really share (two or more
 members that can run) gets an internal prefix request and its runtime state
 (`actors.request.SharedPrefixState`), each prompt joins its deepest such group, and the
 prompts are queued so a group's members run together (depth first), which keeps a shared
@@ -10,14 +11,23 @@ prefix's blocks alive for as short a time as possible.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from actors.config import SamplingParams
 from actors.request import Request, SharedPrefixState
+from packing.prefix import MIN_SHARED_TOKENS, PrefixGroup, prefix_forest
 
-if TYPE_CHECKING:
-    from packing.prefix import PrefixGroup
+
+def call_groups(token_ids: Sequence[Sequence[int] | None]) -> list[PrefixGroup]:
+    """Nested prefix groups over one call's prompts (`packing.prefix_forest`, as the job's plan
+    makes them inside a shard), members indexed in the call; prompts that did not tokenize
+    (None) or are empty are in none. `plan_groups` later leaves out members that cannot run."""
+    valid = [i for i, ids in enumerate(token_ids) if ids]
+    if len(valid) < 2:
+        return []
+    forest = prefix_forest([token_ids[i] or [] for i in valid], min_shared=MIN_SHARED_TOKENS)
+    return [dataclasses.replace(g, members=tuple(valid[m] for m in g.members)) for g in forest]
 
 
 def planned_order(num_prompts: int, groups: Sequence[PrefixGroup]) -> list[int]:

@@ -16,7 +16,7 @@ from actors.config import SamplingParams
 from actors.detokenizer import Detokenizer
 from actors.guided import GuidedDecoder
 from actors.outputs import RequestOutput
-from actors.prefix_sharing import plan_groups, planned_order
+from actors.prefix_sharing import call_groups, plan_groups, planned_order
 from actors.request import Request, RequestStatus, SharedPrefixState
 from actors.rope import RopePolicy
 from actors.samples import SampleBook, fork_samples, sample_id
@@ -49,10 +49,12 @@ class PromptQueue:
         self,
         prompts: Sequence[str | Sequence[int]],
         per_prompt: list[SamplingParams],
-        prefix_groups: Sequence[PrefixGroup],
+        prefix_groups: Sequence[PrefixGroup] | None,  # None: planned here over the prompts
         request_id: str | None,  # the one prompt's id (add_request), else new ids
     ) -> list[str]:
         token_ids = [self._try_tokenize(p) for p in prompts]  # None: _add reports the error
+        if prefix_groups is None:
+            prefix_groups = call_groups(token_ids)
         fork = fork_samples(
             token_ids, per_prompt, prefix_groups, lambda ids: self._check_prompt(ids) is None
         )

@@ -29,6 +29,9 @@ from packing._checks import describe, is_int, positive_int
 from packing.radix import RadixTree, SortedSequences, radix_tree
 
 Seqs = Sequence[Sequence[int]] | Sequence[npt.NDArray[np.integer]]
+# Nested groups' default floor: a shorter shared prefix is not worth a group of its own (the
+# job's `nested_min_shared`, the engine's own planning when a call gives no groups).
+MIN_SHARED_TOKENS = 4
 
 
 def _sorted(seqs: Seqs | SortedSequences) -> SortedSequences:

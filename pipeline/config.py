@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from actors.allocator import ALLOCATORS
 from actors.config import EngineConfig, SamplingParams
+from packing.prefix import MIN_SHARED_TOKENS
 from pipeline.stages import columns
 
 InputFormat = Literal["parquet", "jsonl", "csv", "hf"]
@@ -197,7 +198,7 @@ class PlanConfig:
 
     prefix_grouping: bool = True
     nested: bool = True
-    nested_min_shared: int = 4
+    nested_min_shared: int = MIN_SHARED_TOKENS
     key_block_size: int = 64  # tokens hashed into the prefix key (rows shorter have none)
     max_rows_per_shard: int = 256
     max_tokens_per_shard: int = 65536

@@ -8,7 +8,7 @@ import pytest
 
 from actors import SamplingParams
 from actors.prefix_sharing import planned_order as _planned_order
-from packing.prefix import PrefixGroup, prefix_forest
+from packing.prefix import MIN_SHARED_TOKENS, PrefixGroup, prefix_forest
 from tests.actors.groups import SYSTEM
 from tests.actors.reference import (
     assert_greedy_match,
@@ -133,6 +133,45 @@ def test_nested_groups_survive_preemption(
     assert engine.scheduler.num_preemptions > 0
     check_all(reference_models, prompt_ids, outputs, expected)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_a_call_given_no_groups_plans_them_itself(
+    make_engine, reference_models, prompt_ids, expected
+) -> None:
+    """`generate` without groups computes each shared prefix once, as if given
+    `prefix_forest`'s (partial last blocks too, which the block-hash cache cannot share); a
+    prompt that cannot run is left out and gets its error; an empty list, or
+    `plan_prefix_groups=False`, asks for none; the tokens are the same every way."""
+    forest = prefix_forest(prompt_ids, min_shared=MIN_SHARED_TOKENS)
+    assert any(g.prefix_len % 16 for g in forest)  # a partial block is shared
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    runs = {}
+    for name, config, groups, prompts in (
+        ("planned", {}, None, [*prompt_ids, []]),  # the empty prompt cannot run
+        ("given none", {}, [], prompt_ids),
+        ("off", {"plan_prefix_groups": False}, None, prompt_ids),
+    ):
+        engine = make_engine(num_kv_blocks=256, enable_prefix_caching=False, **config)
+        outputs = engine.generate(prompts, params, groups)
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        runs[name] = (outputs[: len(prompt_ids)], engine.stats.num_scheduled_tokens)
+        if name == "planned":
+            assert outputs[-1].finished and "empty" in (outputs[-1].error or "")
+    planned, computed = runs["planned"]
+    check_all(reference_models, prompt_ids, planned, expected)
+    for row, out in enumerate(planned):
+        assert out.num_cached_tokens == deepest_prefix_len(forest, row)
+    # Each prompt skips its deepest group's prefix; each group computes its own part once.
+    skipped = sum(deepest_prefix_len(forest, row) for row in range(len(prompt_ids)))
+    prefixes = sum(
+        g.prefix_len - (forest[g.parent].prefix_len if g.parent is not None else 0) for g in forest
+    )
+    assert skipped > prefixes
+    for name in ("given none", "off"):
+        outputs, computed_alone = runs[name]
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in planned]
+        assert all(o.num_cached_tokens == 0 for o in outputs)
+        assert computed == computed_alone - skipped + prefixes
 
 
 def test_planned_order_is_depth_first() -> None:
