@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import shutil
@@ -46,14 +47,27 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/bench_peers.py` from 
     sys.path.insert(0, str(ROOT))
 
 from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from actors.allocator import ALLOCATORS, preload_env  # noqa: E402
 from actors.loader import ensure_embedded_converted, load_tokenizer  # noqa: E402
 from benchmarks._bench_common import emit, log, machine  # noqa: E402
 from benchmarks.bench_job import alpaca_messages, prompt_ids  # noqa: E402
 from benchmarks.peer_docs import prefix_messages  # noqa: E402
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+_ORIGINAL_PRELOAD = "RAYPACK_PEERS_ORIGINAL_LD_PRELOAD"  # before `with_allocator` started us again
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 VLLM_SETTINGS = {"max_num_batched_tokens": 4096, "max_num_seqs": 256, "max_model_len": 2048}
+
+
+def with_allocator(allocator: str) -> None:
+    """Run on in a process started with `allocator` preloaded, as the job's, the processor's
+    and Serve's engine actors are (actors/allocator.py): this process is started again with it
+    unless it already has it (tcmalloc must be there before the process starts)."""
+    env = preload_env(allocator)
+    if not env or os.environ.get("LD_PRELOAD") == env["LD_PRELOAD"]:
+        return
+    env = {**os.environ, **env, _ORIGINAL_PRELOAD: os.environ.get("LD_PRELOAD", "")}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def vllm_env(threads: int) -> dict[str, str]:
@@ -90,24 +104,40 @@ def run_vllm(prompts: list[list[int]], args: argparse.Namespace, work: Path) -> 
     return result
 
 
+def engine_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """The engine mode once per combination of the options' values, each named by what
+    differs from the defaults (`engine`, `engine-torch-unfused-noscreen-nogroups`, ...)."""
+    variants = []
+    for backend, fused, screen, groups in itertools.product(
+        args.linear_backends.split(","),
+        args.fused_layers.split(","),
+        args.lm_head_screen.split(","),
+        args.prefix_groups.split(","),
+    ):
+        key = "engine" if backend == "auto" else f"engine-{backend}"
+        key += "" if fused == "on" else "-unfused"
+        key += {"auto": "", "on": "-screen"}.get(screen, "-noscreen")
+        key += "" if groups == "on" else "-nogroups"
+        options = {
+            "linear_backend": backend,
+            "fused_layers": fused == "on",
+            "lm_head_screen": screen,
+            "plan_prefix_groups": groups == "on",
+        }
+        variants.append((key, options))
+    return variants
+
+
 def run_engine(
-    prompts: list[list[int]],
-    args: argparse.Namespace,
-    linear_backend: str = "auto",
-    fused_layers: bool = True,
-    lm_head_screen: str = "auto",
+    prompts: list[list[int]], args: argparse.Namespace, **options: Any
 ) -> dict[str, Any]:
-    """Our engine in this process: load seconds, each `generate` call's seconds, outputs."""
+    """Our engine in this process (`options`: EngineConfig fields): load seconds, each
+    `generate` call's seconds, outputs."""
     import torch
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    config = EngineConfig(
-        dtype=args.dtype,
-        linear_backend=linear_backend,  # type: ignore[arg-type]
-        fused_layers=fused_layers,
-        lm_head_screen=lm_head_screen,  # type: ignore[arg-type]
-    )
+    config = EngineConfig(dtype=args.dtype, **options)
     engine = LLMEngine(config)
     loaded = time.perf_counter()
     params = SamplingParams(max_tokens=args.max_tokens)
@@ -142,6 +172,9 @@ def run_jobs(rows: list[tuple[str, list[dict]]], args: argparse.Namespace, work:
     ids = [rid for rid, _ in rows]
     pq.write_table(pa.table({"id": ids, "messages": [json.dumps(m) for _, m in rows]}), table)
     walls, jobs, outputs = [], [], None
+    # Ray's processes start as a user's would: without the allocator this process was
+    # started with for the engine mode (the job's engine actors set their own).
+    os.environ["LD_PRELOAD"] = os.environ.pop(_ORIGINAL_PRELOAD, os.environ.get("LD_PRELOAD", ""))
     for repeat in range(args.repeats):
         output = work / f"out-{repeat}"
         started = time.perf_counter()
@@ -221,6 +254,19 @@ def main(argv: list[str] | None = None) -> None:
         help="the engine mode once per EngineConfig.lm_head_screen (auto, on: "
         "`engine-screen`, off: `engine-noscreen`)",
     )
+    parser.add_argument(
+        "--prefix-groups",
+        default="on",
+        help="the engine mode once per EngineConfig.plan_prefix_groups (on, off: "
+        "`engine-nogroups`, the block-hash cache alone)",
+    )
+    parser.add_argument(
+        "--allocator",
+        default="auto",
+        choices=ALLOCATORS,
+        help="the engine mode's allocator: as raypack's engine actors get it (auto: tcmalloc "
+        "where the OS has it, as vLLM's run gets it), or glibc's (system)",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--shard-size", type=int, default=64, help="the job's rows per shard")
@@ -229,10 +275,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="write the JSON report to this file (too)")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
+    if "engine" in modes and argv is None:
+        with_allocator(args.allocator)
     tokenizer = load_tokenizer("smollm2")
     report: dict[str, Any] = {
         "machine": machine(),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "engine_ld_preload": os.environ.get("LD_PRELOAD", ""),
         "vllm": {**VLLM_SETTINGS, "env": {k: vllm_env(args.threads)[k] for k in _VLLM_ENV}},
         "sets": {},
     }
@@ -252,13 +301,8 @@ def main(argv: list[str] | None = None) -> None:
             if "vllm" in modes:
                 runs["vllm"] = run_vllm(prompts, args, work)
             if "engine" in modes:
-                for backend in args.linear_backends.split(","):
-                    for fused in args.fused_layers.split(","):
-                        for screen in args.lm_head_screen.split(","):
-                            key = "engine" if backend == "auto" else f"engine-{backend}"
-                            key += "" if fused == "on" else "-unfused"
-                            key += {"auto": "", "on": "-screen"}.get(screen, "-noscreen")
-                            runs[key] = run_engine(prompts, args, backend, fused == "on", screen)
+                for key, options in engine_variants(args):
+                    runs[key] = run_engine(prompts, args, **options)
             if "job" in modes:
                 runs["job"] = run_jobs(rows, args, work)
             reference = runs["vllm"]["outputs"] if "vllm" in runs else None
