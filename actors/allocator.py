@@ -6,8 +6,8 @@ tcmalloc keeps freed blocks for reuse. Measured on a 2-core AMD EPYC
 (docs/benchmarks-job-engine.md, "The allocator"): a 525-prompt float32 job's engine steps
 took 36.6-37.7 s with its engine actor on tcmalloc against 41.6-42.3 s on glibc's (the job
 44.1-45.6 s against 48.9-49.6 s), and an engine's first `generate` lost its ~1.4 s penalty;
-why the engine actor (which also runs the threads that feed it shards) gains more than an
-engine alone (~1 % after its first call) was not settled. vLLM's CPU backend asks for
+an engine alone on 175 chat prompts took ~5 % less on its later calls too
+(docs/benchmarks-peers.md, session (5)). vLLM's CPU backend asks for
 tcmalloc the same way (an `LD_PRELOAD`); here the job, the processor and Serve set it on
 their engine processes themselves (`preload_env`, a Ray `runtime_env`), so nobody has to
 remember it. It has to be there before the process starts: an engine built
