@@ -37,12 +37,18 @@ def find_tcmalloc() -> str | None:
     return ctypes.util.find_library(_LIBRARY)
 
 
+def check_allocator(allocator: str) -> None:
+    """A ValueError naming the choices unless `allocator` is one of them (the configs that
+    carry it check it when built)."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
+
+
 def preload_env(allocator: str) -> dict[str, str]:
     """Environment variables that give a new process `allocator`: {"LD_PRELOAD": ...} for
     tcmalloc (ahead of what this process already preloads), {} for the system's. `tcmalloc`
     where it is missing is a ValueError; `auto` then falls back to the system's."""
-    if allocator not in ALLOCATORS:
-        raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
+    check_allocator(allocator)
     if allocator == "system":
         return {}
     library = find_tcmalloc()

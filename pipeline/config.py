@@ -12,7 +12,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from actors.allocator import ALLOCATORS
+from actors.allocator import check_allocator
 from actors.config import EngineConfig, SamplingParams
 from packing.prefix import MIN_SHARED_TOKENS
 from pipeline.stages import columns
@@ -275,8 +275,7 @@ class ComputeConfig:
             raise ValueError(f"memory_gb_per_actor must be > 0, got {self.memory_gb_per_actor}")
         if self.rows_per_block < 1:
             raise ValueError(f"rows_per_block must be >= 1, got {self.rows_per_block}")
-        if self.allocator not in ALLOCATORS:
-            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
+        check_allocator(self.allocator)
         object.__setattr__(self, "resources", tuple((str(k), float(v)) for k, v in self.resources))
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from actors import EngineConfig, SamplingParams
-from actors.allocator import ALLOCATORS
+from actors.allocator import check_allocator
 from packing.admission import AdmissionConfig
 from pipeline.serve.replicas import Replicas
 
@@ -97,8 +97,7 @@ class ServeConfig:
     prefix_routing: bool = True
 
     def __post_init__(self) -> None:
-        if self.allocator not in ALLOCATORS:
-            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
+        check_allocator(self.allocator)
         if self.engine.chunk_size is None:  # online: a long prompt shares steps with newcomers
             object.__setattr__(
                 self, "engine", replace(self.engine, chunk_size=serve_chunk_size(self.engine))
