@@ -283,12 +283,14 @@ def ensure_embedded_converted() -> Path:
     Written to a temporary folder and renamed into place, so several actors starting at once
     on one node never see a half-written copy.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "config.json").exists():
         return target
+    # Only the first run converts: torch and transformers' model classes (~2 s of imports)
+    # are not imported by a process that only resolves the name.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     source = embedded_gguf()
     logger.info("converting %s to safetensors in %s (once)", source.gguf_file, target)
     model = AutoModelForCausalLM.from_pretrained(

@@ -78,8 +78,11 @@ def engine_case(model: str, env: dict[str, str]) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def job_case(rows: int, work: Path, env: dict[str, str]) -> dict[str, Any]:
-    """`raypack generate` on `rows` chat prompts: its phases and its whole wall time."""
+def job_case(
+    rows: int, work: Path, env: dict[str, str], extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """`raypack generate` on `rows` chat prompts (`extra`: more of its flags): its phases and
+    its whole wall time."""
     from benchmarks.bench_job import alpaca_messages
 
     table = work / "prompts.parquet"
@@ -101,7 +104,7 @@ def job_case(rows: int, work: Path, env: dict[str, str]) -> dict[str, Any]:
         [
             sys.executable, "-m", "pipeline.commands", "generate",
             "--input", str(table), "--output", str(output), "--messages-column", "messages",
-            "--max-tokens", "8", "--no-progress", "--json",
+            "--max-tokens", "8", "--no-progress", "--json", *extra,
         ],
         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT, check=False,
     )  # fmt: skip

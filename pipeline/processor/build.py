@@ -75,6 +75,7 @@ class Processor:
         self.config = config
         self._model = facts
         self._resolved_model = resolved_model
+        self._loaded_tokenizer: tuple[Any] | None = None  # (`_driver_tokenizer`'s answer,)
         self.preprocess = preprocess
         self.postprocess = postprocess
         self.before = before
@@ -217,6 +218,7 @@ class Processor:
                 fn_constructor_args=(config.engine, config.sampling),
                 fn_constructor_kwargs=dict(
                     resolved_model=self.resolved_model(),
+                    tokenizer=self._driver_tokenizer(),
                     text_column=config.text_column,
                     keep_columns=carry,
                     torch_threads=compute.torch_threads or threads,
@@ -351,13 +353,20 @@ class Processor:
         )
 
     def _driver_tokenizer(self) -> Any:
-        """The tokenizer, loaded once here on the driver for the tokenizer actors (pickled to
-        them), or None for them to load it themselves. Loading it in a fresh actor costs ~2 s
-        on a 2-core machine, most of it transformers importing torch and torch._dynamo through
-        AutoConfig; unpickling it there costs ~0.7 s and imports no torch. The driver has
-        imported transformers already (`model_facts`), so here it costs ~0.15 s. A
-        trust_remote_code tokenizer (its class from the model's own code) and one that does
-        not pickle are loaded by the actors, as before."""
+        """The tokenizer, loaded once here on the driver for the tokenizer and engine actors
+        (pickled to them), or None for them to load it themselves. Loading it in a fresh
+        tokenizer actor costs ~2 s on a 2-core machine, most of it transformers importing
+        torch and torch._dynamo through AutoConfig; unpickling it there costs ~0.7 s and
+        imports no torch. An engine actor has transformers imported anyway: there loading it
+        took 0.1-0.3 s of CPU (tokenizer.json parsed twice), unpickling it 0.06-0.08 s. The
+        driver has imported transformers already (`model_facts`), so here it costs ~0.15 s,
+        once. A trust_remote_code tokenizer (its class from the model's own code) and one that
+        does not pickle are loaded by the actors, as before."""
+        if self._loaded_tokenizer is None:
+            self._loaded_tokenizer = (self._load_driver_tokenizer(),)
+        return self._loaded_tokenizer[0]
+
+    def _load_driver_tokenizer(self) -> Any:
         if self.config.engine.trust_remote_code:
             return None
         import pickle

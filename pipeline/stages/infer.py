@@ -81,6 +81,7 @@ class InferStage(Stage):
         progress=None,  # noqa: ANN001 (actor handle of pipeline.job.progress.ProgressBoard)
         parsed_type: pa.DataType | None = None,
         resolved_model: ResolvedModel | None = None,
+        tokenizer=None,  # noqa: ANN001 (HF tokenizer the driver loaded, or None: load it)
         engine=None,  # noqa: ANN001 (actors.LLMEngine or a stand-in)
         timeline=None,  # noqa: ANN001 (actor handle of pipeline.io.report.StatsCollector)
     ):
@@ -94,6 +95,7 @@ class InferStage(Stage):
             torch.set_num_threads(torch_threads)
         self.engine_config = engine_config
         self.resolved_model = resolved_model  # engine_config.model as the driver resolved it
+        self.tokenizer = tokenizer  # the driver's (pickled here), so the engine loads none
         self.sampling = sampling
         self.text_column = text_column
         self.keep_columns = tuple(keep_columns)
@@ -124,7 +126,9 @@ class InferStage(Stage):
         from actors import LLMEngine
 
         started = time.perf_counter()
-        engine = LLMEngine(self.engine_config, resolved_model=self.resolved_model)
+        engine = LLMEngine(
+            self.engine_config, tokenizer=self.tokenizer, resolved_model=self.resolved_model
+        )
         logger.info(
             "engine for %s loaded in %.1fs (%d torch threads)",
             self.engine_config.model,

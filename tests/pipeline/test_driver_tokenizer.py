@@ -1,7 +1,8 @@
 """The tokenizer actors get the tokenizer the driver loaded (pickled to them, as Ray sends
 their constructor's arguments) instead of each loading it: a fresh actor that loads it imports
 torch through transformers' AutoConfig (~2 s on 2 cores), one that unpickles it does not. The
-rows it tokenizes are the ones a tokenizer loaded in the actor gives. No Ray: the stage is
+rows it tokenizes are the ones a tokenizer loaded in the actor gives. The engine actors get the
+same tokenizer (loaded once on the driver) and build their engine on it. No Ray: the stage is
 built in process from the arguments the job gives its actors, after a pickle round trip."""
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from actors.config import EngineConfig
+from actors import LLMEngine
+from actors.config import EngineConfig, SamplingParams
 from pipeline.config import InputConfig, JobConfig, PromptConfig
 from pipeline.job.run import job_processor, prepare
 from pipeline.stages import stage
+from pipeline.stages.infer import InferStage
 from pipeline.stages.tokenize import TokenizeStage
 
 
@@ -54,6 +57,30 @@ def test_the_actors_tokenize_with_the_drivers_tokenizer_as_with_their_own(
         own = TokenizeStage(*args["fn_constructor_args"], **{**kwargs, "tokenizer": None})
         assert _rows(sent, prompts) == _rows(own, prompts)
         assert any(r[stage.PROMPT_TOKEN_IDS] for r in _rows(sent, prompts))
+
+
+def test_the_engine_actor_builds_its_engine_on_the_drivers_tokenizer(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = _config(tiny_model_dir, tmp_path, PromptConfig(prompt_column="prompt"))
+    prepared = prepare(config)
+    processor = job_processor(config, prepared)
+    loaded = processor._driver_tokenizer()
+    assert loaded is not None
+    # loaded once on the driver: the tokenizer actors get the same one
+    assert processor._tokenizer(())[1]["fn_constructor_kwargs"]["tokenizer"] is loaded
+    sent = pickle.loads(pickle.dumps(loaded))  # as Ray sends it
+    sampling = SamplingParams(max_tokens=5)
+    infer = InferStage(
+        config.engine, sampling, tokenizer=sent, resolved_model=prepared.resolved_model
+    )
+    assert infer.engine.tokenizer is sent
+    own = LLMEngine(config.engine)  # loads its own tokenizer
+    prompts = [sent.encode(p) for p in ("hello there", "é ü 字", "a b c d e f")]
+    got = infer.engine.generate(prompts, sampling)
+    want = own.generate(prompts, sampling)
+    assert [(o.token_ids, o.text) for o in got] == [(o.token_ids, o.text) for o in want]
+    assert any(o.text for o in got)
 
 
 def test_a_remote_code_tokenizer_is_still_loaded_by_the_actors(
