@@ -209,11 +209,10 @@ def test_a_job_shows_moving_progress_and_prints_nothing_alarming(
     row once, the malformed ones error rows, the summary's counts), `--model org/name` with
     the model in the HF cache and HF_HUB_OFFLINE=1 running as the folder would
     (tests/actors/test_hub_models.py checks the resolution itself), the progress lines and a
-    quiet console. The command starts its own Ray (joining one at RAY_ADDRESS:
-    test_cluster.py, test_s3.py, test_guided_job.py, test_actor_room.py) and shuts it down
-    beside the report; its workers inherit its HF_HUB_CACHE (on a cluster each node reads
-    its own environment's cache). One run for all (2026-11-26: the hub-id run of
-    test_commands.py and this one cost 32 s + 25 s in the suite)."""
+    quiet console. The command starts its own Ray (joining one at RAY_ADDRESS: test_s3.py's
+    drivers) and shuts it down beside the report; its workers inherit its HF_HUB_CACHE (on a
+    cluster each node reads its own environment's cache). One run for all (2026-11-26: the
+    hub-id run of test_commands.py and this one cost 32 s + 25 s in the suite)."""
     from actors.loader import HUB_FILES
     from tests.hub_cache import cache_repo
 
