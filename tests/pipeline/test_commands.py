@@ -1,9 +1,9 @@
 """The `raypack` console command: its entry point, `--help` with every default, bad commands
-exiting 2, and one `raypack generate` run on the tiny model."""
+exiting 2. The one `raypack generate` run on the tiny model (its own Ray, a hub id offline,
+the progress lines) is test_progress.py's."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,8 +14,6 @@ import pytest
 from actors.config import EngineConfig, SamplingParams
 from pipeline.commands import generate, serve, snippets
 from pipeline.config import PlanConfig
-from tests.pipeline.data import MALFORMED, TEMPLATE, rows
-from tests.pipeline.test_job import read_output
 
 ROOT = Path(__file__).parents[2]
 COMMANDS = {"generate": generate, "snippets": snippets, "serve": serve}
@@ -79,35 +77,3 @@ def test_bad_flag_value_exits_2_naming_it(tiny_model_dir, tmp_path) -> None:
         "--prompt-column", "p", "--max-num-seqs", "0",
     )  # fmt: skip
     assert done.returncode == 2 and "max_num_seqs" in done.stderr
-
-
-@pytest.mark.slow
-def test_raypack_generate_runs_a_table_by_hub_id_offline(prompt_table, tiny_model_dir, tmp_path):
-    """One `raypack generate` run checks the command end to end: the synthetic table (every
-    row once, the malformed ones error rows, the summary's counts), and `--model org/name`
-    with the model in the HF cache and HF_HUB_OFFLINE=1 running as the folder would
-    (tests/actors/test_hub_models.py checks the resolution itself). The command starts its
-    own Ray (joining one at RAY_ADDRESS: test_cluster.py, test_s3.py, test_guided_job.py);
-    its workers inherit its HF_HUB_CACHE (on a cluster each node reads its own environment's
-    cache). One run for both (2026-11-26: two runs cost 37 s + 21 s in the suite)."""
-    from actors.loader import HUB_FILES
-    from tests.hub_cache import cache_repo
-
-    cache_repo(tmp_path / "hub", "org/tiny", tiny_model_dir, "a" * 40, list(HUB_FILES))
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "RAY_ADDRESS")}
-    env.update(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
-    output = tmp_path / "out"
-    done = raypack(
-        "generate", "--input", str(prompt_table), "--output", str(output),
-        "--template", TEMPLATE, "--sampling-column", "sampling", "--keep-columns", "doc_id",
-        "--sampling-columns", "max_tokens",
-        "--model", "org/tiny", "--dtype", "float32", "--max-tokens", "4", "--num-partitions", "1",
-        "--num-cpus-per-actor", "0.25", "--num-cpus", "2", "--json", env=env, timeout=280,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    # raw_decode: Ray's log monitor may print to stdout after the summary
-    summary, _ = json.JSONDecoder().raw_decode(done.stdout, done.stdout.index("{"))
-    assert summary["rows"] == len(rows()) and summary["error_rows"] == len(MALFORMED)
-    out = read_output(output)
-    assert set(out) == {r["id"] for r in rows()}
-    assert {i for i, r in out.items() if r["error"]} == MALFORMED

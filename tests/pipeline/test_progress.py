@@ -19,6 +19,7 @@ from pipeline.commands.help_groups import COMMON_TITLE
 from pipeline.job.progress import Counts, Progress, ProgressBoard, ProgressDisplay, ProgressReporter
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
 from tests.pipeline.test_commands import ROOT, raypack
+from tests.pipeline.test_job import read_output
 
 # A line a clean run must not print: a log record at WARNING or above, a Python warning, a
 # C++ error line of Ray's (`[time E pid tid] file.cc:line: ...`).
@@ -202,21 +203,40 @@ def test_filter_stderr_drops_only_the_harmless_lines() -> None:
 
 @pytest.mark.slow
 def test_a_job_shows_moving_progress_and_prints_nothing_alarming(
-    ray_cluster, prompt_table, tiny_model_dir, tmp_path
+    prompt_table, tiny_model_dir, tmp_path
 ) -> None:
+    """One `raypack generate` run checks the command end to end: the synthetic table (every
+    row once, the malformed ones error rows, the summary's counts), `--model org/name` with
+    the model in the HF cache and HF_HUB_OFFLINE=1 running as the folder would
+    (tests/actors/test_hub_models.py checks the resolution itself), the progress lines and a
+    quiet console. The command starts its own Ray (joining one at RAY_ADDRESS: test_s3.py's
+    drivers) and shuts it down beside the report; its workers inherit its HF_HUB_CACHE (on a
+    cluster each node reads its own environment's cache). One run for all (2026-11-26: the
+    hub-id run of test_commands.py and this one cost 32 s + 25 s in the suite)."""
+    from actors.loader import HUB_FILES
+    from tests.hub_cache import cache_repo
+
+    cache_repo(tmp_path / "hub", "org/tiny", tiny_model_dir, "a" * 40, list(HUB_FILES))
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "RAY_ADDRESS")}
+    env.update(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
     output = tmp_path / "out"
     done = raypack(
         "generate", "--input", str(prompt_table), "--output", str(output),
-        "--template", TEMPLATE, "--model", str(tiny_model_dir),
-        # Long enough to be watched: 100 tokens each, 4 sequences at a time, small shards,
-        # a line every 0.25 s (300 tokens at 0.5 s was 45-88 s of the suite).
+        "--template", TEMPLATE, "--sampling-column", "sampling", "--keep-columns", "doc_id",
+        "--sampling-columns", "max_tokens", "--model", "org/tiny", "--dtype", "float32",
+        # Long enough to be watched: 100 tokens for the rows without their own max_tokens
+        # (3-6 for the documents' rows), 4 sequences at a time, small shards, a line every
+        # 0.25 s (300 tokens at 0.5 s was 45-88 s of the suite).
         "--max-tokens", "100", "--ignore-eos", "--max-num-seqs", "4",
         "--max-rows-per-shard", "8", "--num-partitions", "1",
-        "--num-cpus-per-actor", "0.25", "--progress-interval", "0.25",
-        env={**os.environ, "RAY_ADDRESS": ray_cluster},
-        timeout=280,
+        "--num-cpus-per-actor", "0.25", "--num-cpus", "2", "--progress-interval", "0.25",
+        env=env, timeout=280,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
+    out = read_output(output)
+    assert set(out) == {r["id"] for r in rows()}  # every row, each once
+    assert {i for i, r in out.items() if r["error"]} == MALFORMED
+    assert all(out[r["id"]]["doc_id"] == r["doc_id"] for r in rows())  # --keep-columns
     lines = (done.stdout + done.stderr).splitlines()
     alarming = [line for line in lines if NOT_CLEAN.search(line)]
     assert not alarming, alarming
@@ -225,13 +245,13 @@ def test_a_job_shows_moving_progress_and_prints_nothing_alarming(
     total = len(rows())
     assert all(f"/{total} rows" in line for line in progress), progress
     assert counts == sorted(counts) and len(set(counts)) >= 2, progress  # it moves
-    # Without --sampling-column(s) only the null and the too long document are errors.
-    failing = MALFORMED - {"unknown-override", "bad-override"}
-    assert counts[-1] == total and f"{len(failing)} errors" in progress[-1], progress
+    # With --sampling-column(s) the two bad overrides are error rows too.
+    assert counts[-1] == total and f"{len(MALFORMED)} errors" in progress[-1], progress
     summaries = [line for line in done.stdout.splitlines() if "prefix saving" in line]
     assert len(summaries) == 1, done.stdout
+    assert summaries[0].startswith(f"{total} rows ({len(MALFORMED)} errors, 0 already done)")
     assert f"output: {output}" in done.stdout
-    # The job's phases, once, the command's Ray disconnect among them (pipeline/job/phases.py).
+    # The job's phases, once, the command's Ray shutdown among them (pipeline/job/phases.py).
     timing = [line for line in done.stdout.splitlines() if line.startswith("time: ")]
     assert len(timing) == 1 and "first step at" in timing[0], done.stdout
     assert "imports" in timing[0] and "shutdown" in timing[0], timing
