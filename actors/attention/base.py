@@ -185,4 +185,7 @@ class AttentionMetadata:
 
 def device_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A numpy array as a contiguous tensor on `device`."""
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+    array = np.ascontiguousarray(array)
+    if not array.flags.writeable:  # a tp/pp worker's step plan, read from Ray's object store
+        array = array.copy()  # torch warns on (and must not write into) a read-only array
+    return torch.from_numpy(array).to(device)

@@ -141,3 +141,20 @@ def test_the_kernel_backend_checks_the_caches_once_when_built() -> None:
     assert isinstance(kernel, HybridBackend)
     with pytest.raises(ValueError, match="k_cache must be a contiguous CPU torch.float32"):
         KernelDecodeBackend(caches, kernel.decode.kernel)
+
+
+def test_a_read_only_array_becomes_a_tensor_without_a_warning() -> None:
+    """tp/pp workers get their step plan's arrays read-only from Ray's object store: torch
+    warned "The given NumPy array is not writable" into the workers' logs for every step."""
+    import warnings
+
+    import numpy as np
+
+    from actors.attention.base import device_tensor
+
+    array = np.arange(6, dtype=np.int64)
+    array.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tensor = device_tensor(array, torch.device("cpu"))
+    assert tensor.tolist() == list(range(6))
