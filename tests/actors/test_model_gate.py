@@ -174,30 +174,66 @@ def test_an_untested_model_type_runs_with_one_warning(tokenizer, caplog) -> None
     assert not [r for r in caplog.records if r.name == "actors.architectures"]
 
 
-def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+# Both commands' `main` in one fresh Python process (each imports the commands' modules and
+# torch before it refuses, ~3-4 s of CPU per process on the 2-core box): each run's exit
+# status, whether Ray was started by then (the process has none of its own), and its stderr
+# (between the markers: the commands log to the process's stderr).
+COMMANDS_SCRIPT = """
+import json, sys
+import ray
+from pipeline.commands import generate, serve
+out = []
+for name, argv in json.loads(sys.stdin.read()):
+    print(f"=== {name}", file=sys.stderr, flush=True)
+    code = {"generate": generate.main, "serve": serve.main}[name](argv)
+    sys.stderr.flush()
+    out.append([code, ray.is_initialized()])
+print(json.dumps(out))
+"""
+
+
+def _run_commands(runs: list[tuple[str, list[str]]]) -> list[tuple[int, bool, str]]:
+    """Each (command, argv)'s exit status, whether Ray had started, and its stderr."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    done = subprocess.run(
+        [sys.executable, "-c", COMMANDS_SCRIPT],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        input=json.dumps(runs),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    stderrs = done.stderr.split("=== ")[1:]
+    assert [e.split("\n", 1)[0] for e in stderrs] == [name for name, _ in runs], done.stderr
+    return [
+        (code, ray_started, err) for (code, ray_started), err in zip(results, stderrs, strict=True)
+    ]
 
 
 @pytest.mark.timeout(300)
 def test_commands_exit_2_naming_the_model_and_feature(gptj_folder: Path, tmp_path: Path) -> None:
     data = tmp_path / "in.jsonl"
     data.write_text(json.dumps({"id": "a", "prompt": "hello"}) + "\n")
-    done = _run(
-        ["jobs/generate.py", "--input", str(data), "--output", str(tmp_path / "out"),
-         "--prompt-column", "prompt", "--model", str(gptj_folder)],
-        tmp_path,
+    generated, served = _run_commands(
+        [
+            ("generate", ["--input", str(data), "--output", str(tmp_path / "out"),
+                          "--prompt-column", "prompt", "--model", str(gptj_folder)]),
+            ("serve", ["--model", str(gptj_folder)]),
+        ]
     )  # fmt: skip
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert f"--model {gptj_folder}" in done.stderr and "'gptj'" in done.stderr
-    assert "attention interface" in done.stderr
-    assert "Started a local Ray" not in done.stderr and not (tmp_path / "out").exists()
-    served = _run(["jobs/serve.py", "--model", str(gptj_folder)], tmp_path)
-    assert served.returncode == 2, served.stderr[-2000:]
-    assert "--model" in served.stderr and "'gptj'" in served.stderr
-    assert "Started a local Ray" not in served.stderr
+    code, ray_started, stderr = generated
+    assert code == 2, stderr[-2000:]
+    assert f"--model {gptj_folder}" in stderr and "'gptj'" in stderr
+    assert "attention interface" in stderr
+    assert not ray_started and "Started a local Ray" not in stderr
+    assert not (tmp_path / "out").exists()
+    code, ray_started, stderr = served
+    assert code == 2, stderr[-2000:]
+    assert "--model" in stderr and "'gptj'" in stderr
+    assert not ray_started and "Started a local Ray" not in stderr
 
 
 def test_parallel_engines_take_only_verified_model_types(tmp_path: Path) -> None:
