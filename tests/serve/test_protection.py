@@ -210,6 +210,13 @@ def test_disconnecting_stream_aborts_its_request(live: Live) -> None:
 
 
 def test_200_concurrent_requests_all_answered(live: Live) -> None:
+    """Every request is answered 200 in the end, by a client that honours the replica's
+    busy answer (429 with Retry-After and OpenAI's rate-limit body), as the openai SDK does:
+    the gate sheds requests it predicts cannot start within the start budget, at the rate
+    the engine has been finishing them, so a box loaded by other work sheds some (the suite
+    saw one of 200, 2026-11-26)."""
+    sheds: list[dict] = []
+
     async def main() -> list[int]:
         timeout = aiohttp.ClientTimeout(total=180)
         connector = aiohttp.TCPConnector(limit=200)
@@ -219,15 +226,23 @@ def test_200_concurrent_requests_all_answered(live: Live) -> None:
                 body = {**OK, "prompt": f"Request number {i} says", "max_tokens": 4}
                 if i % 2:
                     body = {**body, "stream": True}
-                async with session.post(live.url("/v1/completions"), json=body) as response:
-                    text = await response.text()
-                    if response.status == 200 and i % 2:
-                        assert text.rstrip().endswith("data: [DONE]")
-                    return response.status
+                for _ in range(3):
+                    async with session.post(live.url("/v1/completions"), json=body) as response:
+                        text = await response.text()
+                        if response.status == 429:
+                            sheds.append(json.loads(text)["error"])
+                            await asyncio.sleep(float(response.headers["Retry-After"]))
+                            continue
+                        if response.status == 200 and i % 2:
+                            assert text.rstrip().endswith("data: [DONE]")
+                        return response.status
+                return 429
 
             return await asyncio.gather(*(one(i) for i in range(200)))
 
     statuses = asyncio.run(main())
     assert statuses == [200] * 200
+    assert len(sheds) < 50, sheds[:3]  # a shed now and then, not the rule
+    assert all(e["code"] == "rate_limit_exceeded" for e in sheds), sheds[:3]
     health = requests.get(live.url("/health"), timeout=10).json()
     assert health["running"] == 0 and health["waiting"] == 0
