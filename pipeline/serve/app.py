@@ -39,7 +39,7 @@ from pipeline.serve.replicas import ReplicaHeader, Scope
 from pipeline.serve.router import PrefixAffinityRouter, RoutedRequest
 from pipeline.serve.service import OpenAIService, Prepared
 from pipeline.serve.snapshots import ReplicaSnapshot, render
-from pipeline.serve.staging import EngineLoop
+from pipeline.serve.staging import EngineLoop, step_thread
 from pipeline.serve.tokens import detokenize, model_card, tokenize
 
 logger = logging.getLogger(__name__)
@@ -186,7 +186,8 @@ class OpenAIDeployment:
         from actors import LLMEngine  # torch loads in the replica, not in the driver
 
         self._config = config
-        self._engine = LLMEngine(config.engine)
+        self._step_thread = step_thread()  # builds the engine, then steps it (EngineLoop)
+        self._engine = self._step_thread.submit(LLMEngine, config.engine).result()
         self._api_keys = load_api_keys(config.api_keys_env, config.api_keys_file)
         self._metrics = ServeMetrics()
         self._admission = config.admission
@@ -205,6 +206,7 @@ class OpenAIDeployment:
             max_running=self._config.engine.max_num_seqs,
             max_queue_wait_s=self._config.max_queue_wait_s,
             metrics=self._metrics,
+            executor=self._step_thread,
         )
         self._loop.start()
         service = OpenAIService(

@@ -121,6 +121,14 @@ class RequestStream:
                 self._loop.abort(request.request_id)
 
 
+def step_thread() -> ThreadPoolExecutor:
+    """The thread a replica's engine is built and stepped in. One thread runs all of the
+    engine's torch work: GNU OpenMP keeps a thread pool per thread that starts parallel regions,
+    and when the pools' threads outnumber the cores, idle ones sleep instead of spinning, so
+    every small op pays a wake-up (pipeline/stages/feed.py, the job's engine, measured it)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+
+
 class EngineLoop:
     """Owns the engine in a replica: staging queue, admission controller, step loop, streams."""
 
@@ -134,6 +142,7 @@ class EngineLoop:
         max_queue_wait_s: float | None = None,
         metrics: ServeMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        executor: ThreadPoolExecutor | None = None,
     ) -> None:
         self.engine = engine
         self.controller = AdmissionController(admission)
@@ -153,7 +162,9 @@ class EngineLoop:
         self.num_aborted = 0  # requests dropped because their client went away
         self._wakeup = asyncio.Event()
         self._ids = itertools.count()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        # The engine's steps run in this one thread; `executor` is the one that built the engine
+        # (step_thread(): the engine's torch work in one thread, see there).
+        self._executor = executor or step_thread()
         self._task: asyncio.Task[None] | None = None
 
     @property

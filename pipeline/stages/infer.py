@@ -89,10 +89,6 @@ class InferStage(Stage):
         self.marks = EngineMarks(process=process_start(), constructed=time.time())
         self.timeline = timeline
         setup_worker_logging()
-        if torch_threads:
-            import torch
-
-            torch.set_num_threads(torch_threads)
         self.engine_config = engine_config
         self.resolved_model = resolved_model  # engine_config.model as the driver resolved it
         self.tokenizer = tokenizer  # the driver's (pickled here), so the engine loads none
@@ -101,8 +97,6 @@ class InferStage(Stage):
         self.keep_columns = tuple(keep_columns)
         self.with_logprobs = with_logprobs
         self.with_samples = with_samples
-        engine = engine if engine is not None else self._new_engine()
-        self.marks.loaded = time.time()
         # The job's live progress: each row counted as its request ends (pipeline/job/progress.py).
         self.progress = ProgressReporter(progress) if progress is not None else None
         self.parsed_type = parsed_type  # the `parsed` column's (pipeline/stages/parsed.py), or none
@@ -113,7 +107,8 @@ class InferStage(Stage):
             engine_retries=engine_retries,
             torch_threads=torch_threads,
             on_finished=self.progress.finished if self.progress else None,
-        )
+        )  # given no engine, the feed builds one in its own thread (see pipeline/stages/feed.py)
+        self.marks.loaded = time.time()
 
     @property
     def engine(self):  # noqa: ANN201 (actors.LLMEngine)

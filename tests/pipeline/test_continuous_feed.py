@@ -117,6 +117,43 @@ def test_a_failing_engine_fails_the_shards_in_it_and_goes_on(tiny_model_dir: Pat
     assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
 
 
+def test_given_no_engine_the_feed_builds_it_in_the_thread_that_steps_it(
+    tiny_model_dir: Path,
+) -> None:
+    """One thread runs all of the engine's torch work (pipeline/stages/feed.py says why): the
+    engine is built in the feed thread, every step runs there, and a build error is raised
+    by the constructor."""
+    config = EngineConfig(dtype="float32", model=str(tiny_model_dir), max_num_seqs=64)
+    threads: dict[str, set[str]] = defaultdict(set)
+
+    def build() -> LLMEngine:
+        threads["build"].add(threading.current_thread().name)
+        engine = LLMEngine(config)
+        step = engine.step
+
+        def traced():  # noqa: ANN202
+            threads["step"].add(threading.current_thread().name)
+            return step()
+
+        engine.step = traced  # type: ignore[method-assign]
+        return engine
+
+    feed = EngineFeed(None, build, lambda e: None)
+    assert threads["build"] == {"engine-feed"}  # built before the constructor returned
+    prompts, groups = _shard(feed.engine, "Oolong is rolled.", ["why", "who"])
+    params = [SamplingParams(max_tokens=4, ignore_eos=True)] * len(prompts)
+    outs = feed.generate("a", prompts, params, groups)
+    assert threads["step"] == {"engine-feed"}
+    alone = LLMEngine(config).generate(prompts, params, groups)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+
+    def broken() -> LLMEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        EngineFeed(None, broken, lambda e: None)
+
+
 def test_shards_in_flight_cover_the_batch(tmp_path: Path) -> None:
     def in_flight(rows_per_shard: int) -> int:
         config = make_config(tmp_path, tmp_path, tmp_path, max_rows_per_shard=rows_per_shard)

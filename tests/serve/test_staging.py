@@ -12,7 +12,7 @@ import pytest
 from actors.config import SamplingParams
 from actors.outputs import RequestOutput
 from packing.admission import AdmissionConfig
-from pipeline.serve.staging import EngineFailedError, EngineLoop, QueueFullError
+from pipeline.serve.staging import EngineFailedError, EngineLoop, QueueFullError, step_thread
 
 
 class FakeEngine:
@@ -102,6 +102,34 @@ def test_requests_stream_cumulative_outputs_and_finish() -> None:
         assert all(out.finished == (i == len(r) - 1) for r in results for i, out in enumerate(r))
         assert loop.num_running == loop.num_waiting == 0
         await loop.stop()
+
+    run(main())
+
+
+def test_steps_run_in_the_thread_that_built_the_engine() -> None:
+    """A replica builds its engine in the step thread and hands it to the loop (one thread
+    runs all of the engine's torch work: pipeline/serve/staging.py `step_thread`)."""
+
+    async def main() -> None:
+        thread = step_thread()
+        engine = thread.submit(FakeEngine).result()
+        builder = thread.submit(threading.current_thread).result()
+        steppers: set[threading.Thread] = set()
+        step = engine.step
+
+        def traced() -> list[RequestOutput]:
+            steppers.add(threading.current_thread())
+            return step()
+
+        engine.step = traced  # type: ignore[method-assign]
+        loop = EngineLoop(
+            engine, AdmissionConfig(policy="immediate"), max_waiting=8, executor=thread
+        )
+        loop.start()
+        result = await collect(loop.submit([1, 2], SamplingParams(max_tokens=3)))
+        assert len(result[-1].token_ids) == 3
+        await loop.stop()
+        assert steppers == {builder}
 
     run(main())
 
