@@ -12,8 +12,10 @@ so the tokens are bit-identical (tested against transformers' layer).
 Applied per layer, only where all of it is transformers' Llama code: the layer's forward is
 `LlamaDecoderLayer.forward` (the same bytecode), its norms' forwards `LlamaRMSNorm.forward`,
 its MLP's `LlamaMLP.forward` with SiLU, its attention the one-pass rotary forward
-(actors/rotary_attention.py), no hooks on any of them, float32 weights; anything else keeps
-transformers' forward.
+(actors/rotary_attention.py), no hooks on any of them, the norms' weights in the layer's
+dtype (float32, bfloat16 or float16); anything else keeps transformers' forward. In half
+precision the norm computes in float32 as transformers' does (the upcast copy is fresh, so
+its rsqrt product runs in place) and rounds once to the layer's dtype before the weight.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ _NORM = code_key(modeling_llama.LlamaRMSNorm.forward)
 _MLP = code_key(modeling_llama.LlamaMLP.forward)
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _plain(module: Any, key: tuple[Any, ...]) -> bool:
     forward = getattr(type(module), "forward", None)
     return (
@@ -44,7 +49,8 @@ def _plain(module: Any, key: tuple[Any, ...]) -> bool:
 
 
 def is_llama_layer(layer: torch.nn.Module) -> bool:
-    """Everything `install` replaces is transformers' Llama code, unhooked, in float32."""
+    """Everything `install` replaces is transformers' Llama code, unhooked, its norms'
+    weights in the dtype of its MLP's."""
     forward = getattr(type(layer), "forward", None)
     if forward is None or code_key(forward) != _LAYER or layer._forward_hooks:
         return False
@@ -54,8 +60,10 @@ def is_llama_layer(layer: torch.nn.Module) -> bool:
     ]
     mlp = getattr(layer, "mlp", None)
     attn = getattr(layer, "self_attn", None)
+    dtype = getattr(getattr(getattr(mlp, "down_proj", None), "weight", None), "dtype", None)
     return (
-        all(n is not None and _plain(n, _NORM) and n.weight.dtype == torch.float32 for n in norms)
+        dtype in _DTYPES
+        and all(n is not None and _plain(n, _NORM) and n.weight.dtype == dtype for n in norms)
         and mlp is not None
         and _plain(mlp, _MLP)
         and type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU")
@@ -94,11 +102,18 @@ def _rms_norm(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     weight, eps = norm.weight, norm.variance_epsilon
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
+        if x.dtype != weight.dtype:
             return norm(x)  # type: ignore[no-any-return]
-        variance = x.pow(2).mean(-1, keepdim=True)
-        variance += eps
-        out = x * variance.rsqrt_()
+        if x.dtype == torch.float32:
+            variance = x.pow(2).mean(-1, keepdim=True)
+            variance += eps
+            out = x * variance.rsqrt_()
+        else:  # transformers: in float32, then one rounding to the input's dtype
+            wide = x.to(torch.float32)
+            variance = wide.pow(2).mean(-1, keepdim=True)
+            variance += eps
+            wide *= variance.rsqrt_()
+            out = wide.to(x.dtype)
         out *= weight
         return out
 

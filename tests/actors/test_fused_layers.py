@@ -136,8 +136,9 @@ def test_a_later_engine_runs_the_model_as_its_own_config_says(make_engine) -> No
 
 
 @torch.inference_mode()
-def test_one_function_llama_layer_is_bit_identical_and_only_where_all_is_llamas() -> None:
-    model = tiny_model("llama", num_layers=3)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_function_llama_layer_is_bit_identical_and_only_where_all_is_llamas(dtype) -> None:
+    model = tiny_model("llama", num_layers=3).to(dtype)
     ids = torch.randint(0, 49152, (1, 23), generator=torch.Generator().manual_seed(1))
     assert llama_layer.install(model) == 0  # attention not on the one-pass rotary forward
     cpu_linear.pack_linears(model, fuse=True)
