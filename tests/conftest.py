@@ -1,6 +1,7 @@
 """Shared test setup: GPU tests are skipped without CUDA; torch uses the machine's cores;
 no test reaches the Hugging Face hub (HF_HUB_OFFLINE=1, inherited by the commands and Ray
-workers tests start); idle OpenMP threads sleep instead of spinning (OMP_WAIT_POLICY)."""
+workers tests start); idle OpenMP threads sleep instead of spinning (OMP_WAIT_POLICY); no Ray
+usage stats (one process fewer per Ray)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # tests start inherit it. Measured (2026-11-26, a tiny-model engine, 16 prompts x 100 tokens
 # beside one busy process): 2 threads 15.7-18.3 s spinning, 1.0-1.4 s passive.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# No Ray usage stats from tests: with them on, every Ray the tests start (the job tests' own,
+# each command's, the two-node cluster) runs Ray Data's `_UsageCollectionActor`, one more worker
+# process, to record each dataset run; nothing a test checks needs it.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -35,7 +35,7 @@ from pipeline.serve.gate import AdmissionGate, arrival_of
 from pipeline.serve.guard import GuardMiddleware, guard_limits
 from pipeline.serve.metrics import ServeMetrics, app_snapshots
 from pipeline.serve.protocol import HealthResponse
-from pipeline.serve.replicas import ReplicaHeader, Scope
+from pipeline.serve.replicas import DRAIN_CHECK_S, ReplicaHeader, Scope
 from pipeline.serve.router import PrefixAffinityRouter, RoutedRequest
 from pipeline.serve.service import OpenAIService, Prepared
 from pipeline.serve.snapshots import ReplicaSnapshot, render
@@ -177,7 +177,9 @@ async def _answer(service: OpenAIService, prepared: Any, arrival: float | None) 
     return JSONResponse(body.model_dump())
 
 
-@serve.deployment(name="raypack-openai", health_check_timeout_s=60)
+@serve.deployment(
+    name="raypack-openai", health_check_timeout_s=60, graceful_shutdown_wait_loop_s=DRAIN_CHECK_S
+)
 @serve.ingress()
 class OpenAIDeployment:
     """One replica: an engine, its staging queue and admission controller, and the HTTP API."""

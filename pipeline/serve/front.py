@@ -32,7 +32,7 @@ from starlette.responses import Response
 from pipeline.serve.errors import overloaded
 from pipeline.serve.guard import GuardLimits, GuardMiddleware, app_path, send_json
 from pipeline.serve.metrics import app_snapshots
-from pipeline.serve.replicas import Receive, Scope, Send
+from pipeline.serve.replicas import DRAIN_CHECK_S, Receive, Scope, Send
 from pipeline.serve.router import RoutedRequest, prefix_hashes, routing_text
 from pipeline.serve.snapshots import ReplicaSnapshot, render
 
@@ -190,7 +190,9 @@ class _Served(Response):
         await self._app(cast(dict[str, Any], scope), receive, send)  # the scope itself
 
 
-@serve.deployment(name="raypack-front", health_check_timeout_s=60)
+@serve.deployment(
+    name="raypack-front", health_check_timeout_s=60, graceful_shutdown_wait_loop_s=DRAIN_CHECK_S
+)
 class PrefixFront:
     """Reads each request, keys its prefix, and streams the engine replica's answer back. Not
     an ingress (an app has one, the engine's API): Serve hands it the Starlette request, and

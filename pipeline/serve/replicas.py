@@ -13,6 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 REPLICA_HEADER = "x-raypack-replica"
+# How often a stopping replica (shutdown, scale-down, a redeploy) checks whether its requests
+# are done. Serve's default is 2 s, and a replica sleeps one such period before its first check
+# even when idle (ray/serve/_private/replica.py, `_drain_ongoing_requests`), so `raypack serve`
+# took 2 s more than needed to stop; a check is a counter read. Serve's
+# `graceful_shutdown_timeout_s` (20 s) still bounds the wait for requests in flight.
+DRAIN_CHECK_S = 0.1
 
 
 @dataclass(frozen=True)

@@ -58,9 +58,16 @@ def main(table: str, model_dir: str, output: str) -> None:
     from tests.pipeline.test_parallel_job import parallel_config
 
     # The head keeps a whole CPU free: Ray Data's file-listing task takes one CPU.
+    # Idle workers kept as the pipeline tests' Ray keeps them (tests/pipeline/conftest.py): the
+    # pp job's tasks reuse the dp job's worker processes instead of starting new ones.
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 2, "resources": {"fake_gpu": 1}, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 2,
+            "resources": {"fake_gpu": 1},
+            "include_dashboard": False,
+            "_system_config": {"num_workers_soft_limit": 16},
+        },
     )
     cluster.add_node(num_cpus=1, resources={"fake_gpu": 1})
     try:

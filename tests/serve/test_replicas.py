@@ -28,7 +28,7 @@ from pipeline.commands.console import TOKEN_AUTH_LOGGER
 from pipeline.commands.serve import main as serve_main
 from pipeline.serve import ServeConfig, build_app
 from pipeline.serve.app import replica_options
-from pipeline.serve.replicas import REPLICA_HEADER
+from pipeline.serve.replicas import DRAIN_CHECK_S, REPLICA_HEADER
 from tests.serve.conftest import MODEL, TWO_REPLICAS, serve_run_builder
 from tests.serve.hf_reference import HFReference
 
@@ -81,6 +81,18 @@ def test_builder_with_autoscaling_args_sets_serves_autoscaling_config() -> None:
     autoscaling = deployment_of(app)._deployment_config.autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 3)
     assert autoscaling.target_ongoing_requests == 12
+
+
+def test_stopping_replicas_and_front_check_their_requests_often() -> None:
+    """Serve's 2 s default drain check is a 2 s sleep before an idle replica stops (each
+    `raypack serve` stop, scale-down and redeploy): both deployments check every
+    DRAIN_CHECK_S instead."""
+    front = build_app({"model": "m", "num_replicas": "2"})._bound_deployment
+    assert front.name == "raypack-front"
+    for deployment in (front, deployment_of(build_app({"model": "m"}))):
+        assert deployment._deployment_config.graceful_shutdown_wait_loop_s == DRAIN_CHECK_S
+        assert deployment._deployment_config.graceful_shutdown_timeout_s >= 20  # Serve's bound
+    assert DRAIN_CHECK_S < 2.0
 
 
 @pytest.mark.parametrize(
