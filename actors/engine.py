@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from actors import generation_defaults, limits
+from actors.build_thread import BuildThread
 from actors.config import EngineConfig, SamplingParams
 from actors.detokenizer import Detokenizer
 from actors.engine_setup import load_for_engine
@@ -66,6 +67,7 @@ class LLMEngine(PromptQueue):
         through one Ray task per worker per step, None chooses (`actors.parallel.pipelined`).
         `resolved_model`: `config.model` as the caller resolved it (`actors.loader`)."""
         self.config = config = config or EngineConfig()
+        self._build_thread = BuildThread()  # warns if another thread steps it (see there)
         model, tokenizer, dtype = load_for_engine(config, model, tokenizer, resolved_model)
         self.tokenizer = tokenizer
         self.model = model
@@ -177,6 +179,7 @@ class LLMEngine(PromptQueue):
         With several request sets (pp > 1) the step keeps one step of each set in flight:
         it submits a step for every idle set with work, then collects the oldest, samples it
         and submits that set's next step before returning, so the stages overlap."""
+        self._build_thread.check()
         outputs, self._pending = self._pending, []
         self._fill(outputs)
         if not self._in_flight:

@@ -122,10 +122,8 @@ class RequestStream:
 
 
 def step_thread() -> ThreadPoolExecutor:
-    """The thread a replica's engine is built and stepped in. One thread runs all of the
-    engine's torch work: GNU OpenMP keeps a thread pool per thread that starts parallel regions,
-    and when the pools' threads outnumber the cores, idle ones sleep instead of spinning, so
-    every small op pays a wake-up (pipeline/stages/feed.py, the job's engine, measured it)."""
+    """The thread a replica's engine is built and stepped in: one thread runs all of the
+    engine's torch work (actors/build_thread.py says why)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
 
 

@@ -9,11 +9,8 @@ request finishes; nothing of a shard is returned (or written) before that.
 
 The engine is not thread-safe: only the feed thread touches it once the feed is started.
 Given no engine, the feed builds it in the feed thread, so that one thread runs all of the
-engine's torch work: GNU OpenMP (torch's CPU threads) keeps a thread pool per thread that
-starts parallel regions, and once two such pools exist on a machine with as many cores as
-threads, its idle threads stop spinning and sleep, so every small op of a step pays a
-futex wake-up (measured on 2 cores: the job's engine steps ran at 0.84x the same engine in
-one thread; a [165, 576] element-wise op took ~90 us instead of ~10 us).
+engine's torch work (actors/build_thread.py says why: with the engine built in the actor's
+constructor thread, the job's engine steps ran at 0.84x the same engine in one thread).
 
 Failures: a tensor/pipeline-parallel `WorkerFailedError` takes the whole engine down, so the
 feed builds a fresh one and queues every unfinished shard again from the start, each up to
