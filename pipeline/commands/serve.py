@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         logger.error("%s", exc)
         ray.shutdown()
         return 2
-    logger.info("each replica takes %g CPUs", config.num_cpus)
+    threads = "" if config.torch_threads is None else f", its engine {config.torch_threads} threads"
+    logger.info("each replica takes %g CPUs%s", config.num_cpus, threads)
     interrupt_on_signals()
     try:  # an interrupt while starting stops as cleanly as one while serving
         serve.start(http_options={"host": args.host, "port": port})

@@ -188,7 +188,8 @@ class OpenAIDeployment:
         from actors import LLMEngine  # torch loads in the replica, not in the driver
 
         self._config = config
-        self._step_thread = step_thread()  # builds the engine, then steps it (EngineLoop)
+        # builds the engine, then steps it (EngineLoop), on the fitted torch threads (fit.py)
+        self._step_thread = step_thread(config.torch_threads)
         self._engine = self._step_thread.submit(LLMEngine, config.engine).result()
         self._api_keys = load_api_keys(config.api_keys_env, config.api_keys_file)
         self._metrics = ServeMetrics()

@@ -78,6 +78,10 @@ class ServeConfig:
     # CPUs reserved for each replica's actor (fractions allowed); on GPUs, one GPU each too.
     # None: fitted to the Ray cluster when the app is built (pipeline/serve/fit.py).
     num_cpus: float | None = None
+    # Torch threads of each replica's engine. None: Ray's (OMP_NUM_THREADS, the floor of the
+    # replica's CPUs), except that a fitted share sets it to the cluster's CPUs per replica
+    # (pipeline/serve/fit.py): the share is capped at one CPU for scheduling, not for compute.
+    torch_threads: int | None = None
     # The replicas' malloc (actors/allocator.py): tcmalloc where the machine has it.
     allocator: str = "auto"
     # Text inside chat messages that spells a special token (`<|im_end|>`) is tokenized as
@@ -137,6 +141,8 @@ class ServeConfig:
             )
         if self.num_cpus is not None and self.num_cpus < 0:
             raise ValueError(f"num_cpus must be >= 0, got {self.num_cpus}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
 
     @property
     def ongoing_limit(self) -> int:

@@ -11,6 +11,13 @@ are logged "taken more than 30s to be scheduled" every 30 s and the app never be
 - `--num-cpus` set: refused when the replicas (the fewest, when autoscaling), their tp x pp
   workers and the front need more CPUs than the cluster has.
 
+A fitted share also sets the replicas' torch threads (unless given): the cluster's CPUs
+less the front's, per replica (the most, when autoscaling), rounded, at least 1, at most the
+largest node's CPUs. Ray sets an
+actor's OMP_NUM_THREADS to the floor of its CPUs, so a fitted 1-CPU replica alone on 2 cores
+(or 32) would compute on one thread; as for the job's engine actors
+(pipeline/stages/engine_actor.py `default_torch_threads`), the share is for scheduling.
+
 A refusal is a ValueError naming `--num-cpus` / `--num-replicas` and the CPUs available:
 `raypack serve` exits 2 with it within seconds, `serve run` prints it.
 
@@ -81,14 +88,20 @@ def fit_to_cluster(
     `cluster_cpus` defaults to `available_cpus()`."""
     engine = config.engine
     worker_cpus = engine.world_size * engine.worker_num_cpus if engine.world_size > 1 else 0.0
+    cpus = available_cpus() if cluster_cpus is None else cluster_cpus
+    node = largest_node_cpus() if cluster_cpus is None else cluster_cpus  # a replica's most
+    front = FRONT_NUM_CPUS if routed else 0.0
     share = replica_cpus(
-        available_cpus() if cluster_cpus is None else cluster_cpus,
+        cpus,
         (config.replicas.lowest, config.replicas.highest),
-        FRONT_NUM_CPUS if routed else 0.0,
+        front,
         config.num_cpus,
         worker_cpus,
     )
-    return replace(config, num_cpus=share)
+    threads = config.torch_threads
+    if threads is None and config.num_cpus is None and engine.world_size == 1:
+        threads = max(1, min(int(node), round((cpus - front) / config.replicas.highest)))
+    return replace(config, num_cpus=share, torch_threads=threads)
 
 
 def available_cpus() -> float:
@@ -100,6 +113,16 @@ def available_cpus() -> float:
     return float(
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )
+
+
+def largest_node_cpus() -> float:
+    """The CPUs of the cluster's largest live node when connected, else this machine's."""
+    import ray
+
+    if ray.is_initialized():
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        return max((float(n["Resources"].get("CPU", 0.0)) for n in nodes), default=1.0)
+    return available_cpus()
 
 
 def _count(replicas: tuple[int, int]) -> str:

@@ -121,10 +121,23 @@ class RequestStream:
                 self._loop.abort(request.request_id)
 
 
-def step_thread() -> ThreadPoolExecutor:
+def step_thread(torch_threads: int | None = None) -> ThreadPoolExecutor:
     """The thread a replica's engine is built and stepped in: one thread runs all of the
-    engine's torch work (actors/build_thread.py says why)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+    engine's torch work (actors/build_thread.py says why). `torch_threads` is set in that
+    thread (torch keeps the count per thread); None keeps torch's default there."""
+    return ThreadPoolExecutor(
+        max_workers=1,
+        thread_name_prefix="engine-step",
+        initializer=_set_torch_threads,
+        initargs=(torch_threads,),
+    )
+
+
+def _set_torch_threads(count: int | None) -> None:
+    if count is not None:
+        import torch  # the replica's process has it; the staging queue alone does not need it
+
+        torch.set_num_threads(count)
 
 
 class EngineLoop:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from actors.config import EngineConfig
 from pipeline.commands.serve import build_parser, local_ray_cpus
@@ -18,6 +20,7 @@ from pipeline.serve import ServeConfig
 from pipeline.serve.config import prefix_routed
 from pipeline.serve.fit import FRONT_NUM_CPUS, MIN_REPLICA_CPUS, fit_to_cluster, replica_cpus
 from pipeline.serve.replicas import Replicas
+from pipeline.serve.staging import step_thread
 from tests.serve.conftest import ServeInstance
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,6 +75,31 @@ def test_the_builder_fits_the_config_as_serve_run_calls_it() -> None:
     asked = ServeConfig(engine=base.engine, replicas=Replicas(num_replicas=2), num_cpus=1.0)
     with pytest.raises(ValueError, match="--num-cpus"):
         fit_to_cluster(asked, prefix_routed(asked), cluster_cpus=2)
+
+
+def test_a_fitted_replica_computes_on_the_cluster_s_cpus_per_replica() -> None:
+    """The fitted share is capped at one CPU for scheduling; the engine's torch threads are the
+    cluster's CPUs (less the front's) per replica, at least 1; set by the step thread."""
+    engine = EngineConfig(dtype="float32", model="m", device="cpu")
+
+    def threads(cluster: float, replicas: Replicas, **kw) -> int | None:  # noqa: ANN003
+        config = ServeConfig(engine=engine, replicas=replicas, **kw)
+        fitted = fit_to_cluster(config, prefix_routed(config), cluster_cpus=cluster)
+        again = fit_to_cluster(fitted, prefix_routed(fitted), cluster_cpus=cluster)
+        assert again.torch_threads == fitted.torch_threads  # the builder fits once more
+        return fitted.torch_threads
+
+    one = Replicas(num_replicas=1)
+    assert threads(2, one) == 2  # share 1.0, but both cores compute
+    assert threads(32, one) == 32
+    assert threads(2, Replicas(num_replicas=2)) == 1  # (2 - 0.1 for the front) / 2
+    assert threads(8, Replicas(min_replicas=1, max_replicas=4)) == 2  # the most replicas
+    assert threads(2, one, num_cpus=0.5) is None  # asked: Ray's (floor of the share, >= 1)
+    assert threads(2, one, torch_threads=1) == 1
+    tp = ServeConfig(engine=replace(engine, tensor_parallel_size=2, worker_num_cpus=0.5))
+    assert fit_to_cluster(tp, prefix_routed(tp), cluster_cpus=4).torch_threads is None
+    for count in (1, 3):
+        assert step_thread(count).submit(torch.get_num_threads).result() == count
 
 
 def test_the_command_knows_the_cpus_of_the_ray_it_starts() -> None:
