@@ -40,6 +40,9 @@ KERNELS = {
     torch.float32: (SOURCE, "raypack_paged_decode_lse_f32"),
     torch.bfloat16: (SOURCE_BF16, "raypack_paged_decode_bf16"),
 }
+# Each library's shared-prefix runs (shared_runs.h), by the same dtype
+RUNS = {torch.float32: "raypack_shared_runs_f32", torch.bfloat16: "raypack_shared_runs_bf16"}
+RUN_WIDTH = 16  # the runs' head_dim must be a multiple of it (shared_runs.h)
 # Compiled with -ffast-math (vectorized expf and float sums) but LINKED without it: a link
 # with -ffast-math adds crtfastmath.o (GCC < 13), whose constructor sets flush-to-zero and
 # denormals-are-zero for the whole process when the library loads (torch's numerics, and
@@ -63,6 +66,11 @@ class PagedDecode:
         fn.argtypes += [ptr, ptr, i64]  # out, lse (NULL: not written), threads
         fn.restype = ctypes.c_int
         self._fn = fn
+        runs = getattr(library, RUNS[dtype])
+        runs.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
+        runs.argtypes += [ctypes.c_float, ptr, ptr, i64]  # softcap (0: none), out, lse, threads
+        runs.restype = ctypes.c_int
+        self._runs = runs
 
     def __call__(
         self,
@@ -139,6 +147,48 @@ class PagedDecode:
         )
         if failed:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
+
+    def runs(
+        self,
+        query: torch.Tensor,  # [rows, head_dim], run by run, each [kv_heads, its rows, dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,  # [num_runs, max_blocks] int64: each run's blocks
+        run_keys: torch.Tensor,  # [num_runs] int64: each run's keys
+        row_start: torch.Tensor,  # [num_runs + 1] int64: run r's rows in query
+        scale: float,
+        out: torch.Tensor,  # [rows, head_dim] float32
+        lse: torch.Tensor,  # [rows] float32
+        softcap: float | None = None,
+    ) -> None:
+        """Shared-prefix runs (`shared_runs.h`): every query row of run r against the run's
+        keys, of its kv head (run r's rows are kv head by kv head), into `out` (float32, not
+        rounded to the caches' dtype) and the rows' log-sum-exps into `lse`. Unchecked as
+        `run`: the caller makes sure of the shapes, dtypes, contiguity, and of a head_dim
+        that is a multiple of `RUN_WIDTH`."""
+        _, block_size, kv_heads, head_dim = k_cache.shape
+        failed = self._runs(
+            query.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            run_keys.data_ptr(),
+            row_start.data_ptr(),
+            len(run_keys),
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            softcap or 0.0,
+            out.data_ptr(),
+            lse.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed == 2:
+            raise ValueError(f"shared runs need head_dim % {RUN_WIDTH} == 0 and rows per kv head")
+        if failed:
+            raise MemoryError("shared-prefix runs could not allocate their scratch memory")
 
 
 def check_cache(

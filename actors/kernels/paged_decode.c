@@ -29,6 +29,7 @@
 #define LOAD(x) (x)
 #define STORE(f) (f)
 #include "paged_decode_attend.h"
+#include "shared_runs.h"
 
 /* Returns 0, or 1 when scratch memory could not be allocated. lse may be NULL; window 0: none;
  * softcap 0: none. */
@@ -41,4 +42,15 @@ int raypack_paged_decode_lse_f32(const float *q, const float *k_cache, const flo
     return attend_all(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs,
                       num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, out,
                       lse, num_threads);
+}
+
+/* Shared-prefix runs (shared_runs.h): returns 0, 1 when scratch memory could not be allocated,
+ * 2 for a head_dim that is not a multiple of 16 or rows not alike per kv head. */
+int raypack_shared_runs_f32(const float *q, const float *k_cache, const float *v_cache,
+                            const int64_t *tables, int64_t max_blocks, const int64_t *run_keys,
+                            const int64_t *row_start, int64_t num_runs, int64_t kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale, float softcap,
+                            float *out, float *lse, int64_t num_threads) {
+    return attend_runs(q, k_cache, v_cache, tables, max_blocks, run_keys, row_start, num_runs,
+                       kv_heads, head_dim, block_size, scale, softcap, out, lse, num_threads);
 }

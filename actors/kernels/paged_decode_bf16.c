@@ -36,6 +36,7 @@ static inline uint16_t narrow(float f) {
 #define LOAD(x) widen(x)
 #define STORE(f) narrow(f)
 #include "paged_decode_attend.h"
+#include "shared_runs.h"
 
 /* Returns 0, or 1 when scratch memory could not be allocated. lse may be NULL; window 0: none;
  * softcap 0: none. */
@@ -48,4 +49,15 @@ int raypack_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache,
     return attend_all(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs,
                       num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap, out,
                       lse, num_threads);
+}
+
+/* Shared-prefix runs (shared_runs.h): returns 0, 1 when scratch memory could not be allocated,
+ * 2 for a head_dim that is not a multiple of 16 or rows not alike per kv head. */
+int raypack_shared_runs_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int64_t *tables, int64_t max_blocks, const int64_t *run_keys,
+                             const int64_t *row_start, int64_t num_runs, int64_t kv_heads,
+                             int64_t head_dim, int64_t block_size, float scale, float softcap,
+                             float *out, float *lse, int64_t num_threads) {
+    return attend_runs(q, k_cache, v_cache, tables, max_blocks, run_keys, row_start, num_runs,
+                       kv_heads, head_dim, block_size, scale, softcap, out, lse, num_threads);
 }

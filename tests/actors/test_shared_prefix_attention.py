@@ -175,7 +175,7 @@ def test_runs_below_the_minimum_stay_in_each_decodes_own_part() -> None:
 
 def test_merged_attention_in_bfloat16() -> None:
     """bf16 caches and queries: the kernel's own parts (float32 log-sum-exps) merged with
-    the runs' flash calls, within bf16 rounding of the exact attention of the same inputs."""
+    the runs (float32 outputs), within bf16 rounding of the exact attention of the same inputs."""
     tables, keys, caches, qkv, batch = decode_step(6, 2, 64, seed=7)
     caches = [(kc.bfloat16(), vc.bfloat16()) for kc, vc in caches]
     step = (tables, keys, caches, tuple(t.bfloat16() for t in qkv), batch)
@@ -204,7 +204,7 @@ def chain_tables() -> tuple[list[list[int]], np.ndarray]:
 
 
 def test_bfloat16_merges_run_in_float32() -> None:
-    """In bf16 the pieces (the kernel's own parts, the runs' flash outputs) are bf16, but the
+    """In bf16 the pieces (the kernel's own parts) are bf16, but the
     merges run in float32 and round once: over 11 nested runs the merged output stays within
     2x the plain kernel's mean error against exact attention (measured 1.5x; merges rounded
     to bf16 at each run measured 2.6-2.8x)."""
@@ -253,3 +253,36 @@ def test_a_step_that_shares_nothing_runs_the_plain_kernel() -> None:
     assert kernel is not None
     backend = SharedPrefixDecodeBackend(caches, kernel)
     assert not isinstance(backend.prepare(alone_batch), SharedPrefixDecodes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block", "softcap"), [(16, None), (6, 1.5)])
+def test_run_mode_equals_exact_attention(dtype, block, softcap) -> None:
+    """The kernel's run mode (`PagedDecode.runs`) on random data: runs of one block, of many
+    blocks (a block size that is not a multiple of the 8-key tile), of more rows than one
+    work item (70 > 64), each row against exact float32 attention and its log-sum-exp."""
+    kernel = paged_decode_kernel("cpu", dtype)
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(block)
+    kv_heads, dim = 2, 32
+    k_cache = torch.randn(40, block, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(40, block, kv_heads, dim, generator=gen).to(dtype)
+    blocks = [[7], [3, 9, 1, 30, 2], [12, 13, 14]]
+    per_head = [6, 70, 9]  # rows per kv head: members x heads per kv head
+    tables = torch.tensor([b + [0] * (5 - len(b)) for b in blocks])
+    keys = torch.tensor([len(b) * block for b in blocks])
+    start = torch.tensor([0, *np.cumsum([kv_heads * p for p in per_head])])
+    q = torch.randn(int(start[-1]), dim, generator=gen).to(dtype)
+    out, lse = torch.empty(len(q), dim), torch.empty(len(q))
+    kernel.runs(q, k_cache, v_cache, tables, keys, start, SCALE, out, lse, softcap)
+    for r, ids in enumerate(blocks):
+        rows = q[int(start[r]) : int(start[r + 1])].float().view(kv_heads, per_head[r], dim)
+        k = k_cache[ids].float().reshape(-1, kv_heads, dim).transpose(0, 1)
+        v = v_cache[ids].float().reshape(-1, kv_heads, dim).transpose(0, 1)
+        scores = rows @ k.transpose(1, 2) * SCALE
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        got = out[int(start[r]) : int(start[r + 1])].view(kv_heads, per_head[r], dim)
+        torch.testing.assert_close(got, torch.softmax(scores, -1) @ v, atol=1e-5, rtol=1e-5)
+        got_lse = lse[int(start[r]) : int(start[r + 1])].view(kv_heads, per_head[r])
+        torch.testing.assert_close(got_lse, torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
