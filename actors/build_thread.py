@@ -16,8 +16,6 @@ import logging
 import os
 import threading
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 
@@ -33,6 +31,8 @@ class BuildThread:
     """Made where the engine is built; `check()` at every step (a thread id compare)."""
 
     def __init__(self) -> None:
+        import torch  # here, not at the top: `usable_cores` serves torch-free callers too
+
         self.ident = threading.get_ident()
         self.name = threading.current_thread().name
         self.torch_threads = torch.get_num_threads()
@@ -51,6 +51,8 @@ class BuildThread:
         if self.checked or threading.get_ident() == self.ident:
             return
         self.checked = True
+        import torch
+
         here = torch.get_num_threads()
         if self.pools_contend(here):
             logger.warning(

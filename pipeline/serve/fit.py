@@ -30,9 +30,9 @@ wrong, so a builder there should run connected (`RAY_ADDRESS`, or `serve deploy`
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import replace
 
+from actors.build_thread import usable_cores
 from pipeline.serve.config import ServeConfig
 
 MIN_REPLICA_CPUS = 0.25  # a fitted share below this is refused (too many replicas)
@@ -110,9 +110,7 @@ def available_cpus() -> float:
 
     if ray.is_initialized():
         return float(ray.cluster_resources().get("CPU", 0.0))
-    return float(
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    )
+    return float(usable_cores())
 
 
 def largest_node_cpus() -> float:
