@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from actors.build_thread import usable_cores
+from pipeline.cluster_cpus import available_cpus, largest_node_cpus
 from pipeline.serve.config import ServeConfig
 
 MIN_REPLICA_CPUS = 0.25  # a fitted share below this is refused (too many replicas)
@@ -102,25 +102,6 @@ def fit_to_cluster(
     if threads is None and config.num_cpus is None and engine.world_size == 1:
         threads = max(1, min(int(node), round((cpus - front) / config.replicas.highest)))
     return replace(config, num_cpus=share, torch_threads=threads)
-
-
-def available_cpus() -> float:
-    """The Ray cluster's CPUs when connected, else this machine's (what a local Ray gets)."""
-    import ray
-
-    if ray.is_initialized():
-        return float(ray.cluster_resources().get("CPU", 0.0))
-    return float(usable_cores())
-
-
-def largest_node_cpus() -> float:
-    """The CPUs of the cluster's largest live node when connected, else this machine's."""
-    import ray
-
-    if ray.is_initialized():
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        return max((float(n["Resources"].get("CPU", 0.0)) for n in nodes), default=1.0)
-    return available_cpus()
 
 
 def _count(replicas: tuple[int, int]) -> str:

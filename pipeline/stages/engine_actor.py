@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from actors.config import EngineConfig
+from pipeline.cluster_cpus import available_cpus, largest_node_cpus, threads_per_actor
 from pipeline.config import ComputeConfig, PlanConfig
 
 MAX_SHARDS_IN_FLIGHT = 16  # per engine actor: each is a thread waiting in the actor
@@ -63,15 +64,13 @@ def engine_actor_args(compute: ComputeConfig, placements: Any = None) -> dict:
 def default_torch_threads(
     compute: ComputeConfig, actor_args: dict, world_size: int = 1
 ) -> int | None:
-    """Torch threads of a CPU engine actor: the cluster's CPUs shared by the engine actors.
+    """Torch threads of a CPU engine actor: the cluster's CPUs shared by the engine actors,
+    at most its largest node's (`pipeline.cluster_cpus.threads_per_actor`).
 
     Ray sets OMP_NUM_THREADS to an actor's whole CPUs, so a 0.5-CPU actor would run torch
     on one thread however many cores are idle; the CPU fraction is only for scheduling.
     None (torch's default) for GPU actors and for tp x pp engines (their workers compute).
     """
-    import ray
-
     if actor_args["num_gpus"] or world_size > 1:
         return None
-    cpus = ray.cluster_resources().get("CPU", 1)
-    return max(1, int(cpus // compute.num_actors))
+    return threads_per_actor(available_cpus(), largest_node_cpus(), compute.num_actors)
