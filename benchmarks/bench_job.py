@@ -410,6 +410,14 @@ def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[str, lis
             "job_s": statistics.median(j["job_s"] for j in runs),
             "breakdown_s": last["breakdown_s"],
             "phases_s": last["phases_s"],
+            # every run's start-up and tail (the phases above are the last run's)
+            "phases_runs_s": {
+                k: [j["phases_s"].get(k) for j in runs]
+                for k in ("to_first_step", "read_plan", "engine_imports", "engine_load", "steps")
+            },
+            "job_minus_steps_runs_s": [
+                round(j["job_s"] - j["phases_s"].get("steps", 0.0), 2) for j in runs
+            ],
             "steps": last["steps"],
             "stepping_thread": last["stepping_thread"],
             "median_running_per_step": statistics.median(running),

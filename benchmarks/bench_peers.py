@@ -50,7 +50,7 @@ from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from actors.allocator import ALLOCATORS, preload_env  # noqa: E402
 from actors.loader import ensure_embedded_converted, load_tokenizer  # noqa: E402
 from benchmarks._bench_common import emit, log, machine  # noqa: E402
-from benchmarks.bench_job import alpaca_messages, prompt_ids  # noqa: E402
+from benchmarks.bench_job import alpaca_messages, prompt_ids, step_recording_stage  # noqa: E402
 from benchmarks.peer_docs import prefix_messages  # noqa: E402
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
@@ -172,6 +172,7 @@ def run_jobs(rows: list[tuple[str, list[dict]]], args: argparse.Namespace, work:
     ids = [rid for rid, _ in rows]
     pq.write_table(pa.table({"id": ids, "messages": [json.dumps(m) for _, m in rows]}), table)
     walls, jobs, outputs = [], [], None
+    last: dict[str, Any] = {}
     # Ray's processes start as a user's would: without the allocator this process was
     # started with for the engine mode (the job's engine actors set their own).
     os.environ["LD_PRELOAD"] = os.environ.pop(_ORIGINAL_PRELOAD, os.environ.get("LD_PRELOAD", ""))
@@ -190,20 +191,34 @@ def run_jobs(rows: list[tuple[str, list[dict]]], args: argparse.Namespace, work:
             compute=ComputeConfig(torch_threads=args.threads),
         )
         up = time.perf_counter()
+        steps_file = work / f"steps-{repeat}.json"
         try:
-            run_job(config)
+            summary = run_job(config, infer_cls=step_recording_stage(steps_file))
             returned = time.perf_counter()
         finally:
             ray.shutdown()
         walls.append(time.perf_counter() - started)
         jobs.append(returned - up)
+        # the last run's start-up and tail (pipeline/job/phases.py), plan and batch per step
+        steps = json.loads(steps_file.read_text())["steps"]  # (start, running, waiting, s)
+        last = {
+            "phases_s": summary.phases_s,
+            "num_shards": summary.num_shards,
+            "shared_groups": summary.num_shared_groups,
+            "split_groups": summary.split_groups,
+            "prefix_saving_ratio": round(summary.prefix_saving_ratio, 3),
+            "steps": len(steps),
+            "max_running": max(s[1] for s in steps),
+            "median_running": statistics.median(s[1] for s in steps),
+            "steps_with_none_waiting": sum(1 for s in steps if s[2] == 0),
+        }
         out = pq.read_table(output, columns=["id", "generated_token_ids"])
         by_id = dict(
             zip(out["id"].to_pylist(), out["generated_token_ids"].to_pylist(), strict=True)
         )
         outputs = outputs or [list(by_id[rid]) for rid in ids]
         shutil.rmtree(output, ignore_errors=True)
-    return {"seconds": walls, "job_s": jobs, "outputs": outputs}
+    return {"seconds": walls, "job_s": jobs, "outputs": outputs, "last_job": last}
 
 
 def summarize(name: str, run: dict[str, Any], reference: list[list[int]] | None) -> dict:
@@ -222,6 +237,7 @@ def summarize(name: str, run: dict[str, Any], reference: list[list[int]] | None)
         entry["lm_head_screen"] = run["lm_head_screen"]
     if "job_s" in run:
         entry["median_job_s"] = round(statistics.median(run["job_s"]), 2)
+        entry["last_job"] = run["last_job"]
     if reference is not None:
         same = sum(a == b for a, b in zip(run["outputs"], reference, strict=True))
         entry["identical_to_vllm"] = f"{same}/{len(reference)}"
