@@ -20,10 +20,13 @@
  * before it reads them, and for the next pair's first keys while it sums this pair's last
  * values (measured: benchmarks/bench_decode_kernel.py, docs/benchmarks-peers.md).
  *
- * Plain C the compiler vectorizes (-O3 -march=native -ffast-math), no intrinsics: the same
- * source builds on any CPU with a C compiler. Only GNU builtins (gcc, clang): `always_inline`,
- * without which the specialization by head_dim is left to the optimizer, and
- * `__builtin_prefetch`, without which there is no prefetch.
+ * Plain C the compiler vectorizes (-O3 -march=native -ffast-math): the same source builds on
+ * any CPU with a C compiler. Where the CPU has AVX-512 (`__AVX512F__` under -march=native),
+ * a head_dim that is a multiple of 16 takes the intrinsics below instead (scores 16 keys at a
+ * time, one reduction tree for them; V sums in registers); the plain path stays tested
+ * (tests/actors/test_kernel_paths.py builds with -mno-avx512f). Only GNU builtins (gcc,
+ * clang): `always_inline`, without which the specialization by head_dim is left to the
+ * optimizer, and `__builtin_prefetch`, without which there is no prefetch.
  */
 #include <math.h>
 #include <stdint.h>

@@ -15,6 +15,11 @@
  * with the exact max-subtracted softmax of each row between them, in float32, each row's
  * log-sum-exp written for the merge with the decode's own keys.
  *
+ * With AVX-512 (32 vector registers) both products take larger tiles of 24 accumulators
+ * (run_scores: 8 keys x 48 rows, run_values: 6 rows x 64 columns; the 8 x 16 tile loads a
+ * broadcast per FMA), summing in the same order (the same floats as the 8 x 16 tile). Each
+ * run's blocks are prefetched AHEAD blocks before they are read, as the decode kernel's.
+ *
  * Work is split over (run, kv head, slab of at most RUN_SLAB rows) items on OpenMP threads.
  * Plain C the compiler vectorizes (the tiles' constant trip counts), as the decode kernel.
  */
