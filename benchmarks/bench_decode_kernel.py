@@ -172,7 +172,8 @@ def run_runs_case(
 
 
 class TimedKernel:
-    """A `PagedDecode` whose `run` (what the decode backends call) adds up its seconds."""
+    """A `PagedDecode` whose `run` and `runs` (what the decode backends call) add up their
+    seconds."""
 
     def __init__(self, kernel: kernels.PagedDecode) -> None:
         self.kernel, self.dtype, self.seconds, self.calls = kernel, kernel.dtype, 0.0, 0
@@ -183,6 +184,12 @@ class TimedKernel:
         self.seconds += time.perf_counter() - start
         self.calls += 1
 
+    def runs(self, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        self.kernel.runs(*args, **kwargs)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+
 
 def run_engine(
     builds: dict[str, kernels.PagedDecode], dname: str, prompt_set: str, prompts: int, repeats: int
@@ -190,7 +197,7 @@ def run_engine(
     """The engine (defaults, `dname`) on bench_peers' `alpaca` set (`prompts` chat prompts) or
     its `prefix` set (8 documents x 16 questions), at most 64 new tokens, EOS stops, its
     decode backend calling each build in turn (interleaved, rotating): per build the median
-    `generate` seconds and kernel seconds."""
+    `generate` seconds and kernel seconds (plain decodes and shared runs)."""
     from actors import EngineConfig, LLMEngine, SamplingParams
     from actors.loader import load_tokenizer
     from benchmarks.bench_job import alpaca_messages, prompt_ids
