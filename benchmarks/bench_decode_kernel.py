@@ -8,7 +8,9 @@ consecutive blocks); the last-level cache is flushed before each call, so each c
 keys and values from memory as one layer of a decode step does. Per dtype and case, the two
 builds are called interleaved (rotating order) `--repeats` times on torch's threads; the
 medians, the speed-up, the KV bytes read per second and the largest difference between the
-two builds' outputs are printed as JSON. With `--engine N`, per dtype also the engine on N
+two builds' outputs are printed as JSON. A `runs` case times the shared-prefix run mode
+(`PagedDecode.runs`) on the prefix set's step: `--runs` runs of `--run-keys` keys, each read by
+`--members` decodes' query heads, all in one call (GFLOP/s counts both products). With `--engine N`, per dtype also the engine on N
 Alpaca chat prompts (bench_peers' set), its decode backend calling each build in turn: the
 `generate` seconds and the kernel's seconds within them.
 
@@ -112,8 +114,66 @@ def run_case(
     return result
 
 
+def make_runs_case(args: argparse.Namespace, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    """Shared-prefix runs: `args.runs` runs of `args.run_keys` keys (blocks shuffled in one
+    cache), each read by `args.members` x heads-per-kv-head query rows per kv head."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, per_run = args.block_size, -(-args.run_keys // args.block_size)
+    shape = (args.runs * per_run, bs, args.kv_heads, args.dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    tables = torch.randperm(args.runs * per_run, generator=gen).view(args.runs, per_run)
+    keys = torch.full((args.runs,), per_run * bs, dtype=torch.int64)
+    rows = args.kv_heads * args.members * (args.heads // args.kv_heads)
+    start = torch.arange(args.runs + 1, dtype=torch.int64) * rows
+    q = torch.randn(args.runs * rows, args.dim, generator=gen).to(dtype)
+    return {"q": q, "k": k_cache, "v": v_cache, "tables": tables, "keys": keys, "start": start}
+
+
+def run_runs_case(
+    builds: dict[str, kernels.PagedDecode], case: dict[str, Any], repeats: int
+) -> dict[str, Any]:
+    """Both builds' run mode on one case, interleaved and flushed as `run_case` (the engine's
+    other layers evict a layer's runs): medians, speed-up, GFLOP/s, largest difference between
+    the two builds' outputs."""
+    q = case["q"]
+    outs = {name: torch.empty(q.shape, dtype=torch.float32) for name in builds}
+    lses = {name: torch.empty(len(q)) for name in builds}
+    scale = q.shape[-1] ** -0.5
+    flush = torch.ones(32 * 2**20)
+    times: dict[str, list[float]] = {name: [] for name in builds}
+    names = list(builds)
+    for rep in range(repeats + 1):
+        for name in names[rep % 2 :] + names[: rep % 2]:
+            flush.sum()
+            start = time.perf_counter()
+            builds[name].runs(
+                q,
+                case["k"],
+                case["v"],
+                case["tables"],
+                case["keys"],
+                case["start"],
+                scale,
+                outs[name],
+                lses[name],
+            )
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    rows_per_run = int(case["start"][1])
+    flop = 4 * rows_per_run * int(case["keys"][0]) * q.shape[-1] * len(case["keys"])
+    result: dict[str, Any] = {"rows": len(q), "gflop": round(flop / 1e9, 3)}
+    for name, runs in times.items():
+        ms = common.median(runs) * 1e3
+        result[name] = {"median_ms": round(ms, 3), "gflop_s": round(flop / ms / 1e6, 1)}
+    result["speedup"] = round(result["baseline"]["median_ms"] / result["tree"]["median_ms"], 2)
+    result["max_abs_diff"] = float((outs["tree"] - outs["baseline"]).abs().max())
+    return result
+
+
 class TimedKernel:
-    """A `PagedDecode` whose `run` (what the decode backends call) adds up its seconds."""
+    """A `PagedDecode` whose `run` and `runs` (what the decode backends call) add up their
+    seconds."""
 
     def __init__(self, kernel: kernels.PagedDecode) -> None:
         self.kernel, self.dtype, self.seconds, self.calls = kernel, kernel.dtype, 0.0, 0
@@ -124,6 +184,12 @@ class TimedKernel:
         self.seconds += time.perf_counter() - start
         self.calls += 1
 
+    def runs(self, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        self.kernel.runs(*args, **kwargs)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+
 
 def run_engine(
     builds: dict[str, kernels.PagedDecode], dname: str, prompt_set: str, prompts: int, repeats: int
@@ -131,7 +197,7 @@ def run_engine(
     """The engine (defaults, `dname`) on bench_peers' `alpaca` set (`prompts` chat prompts) or
     its `prefix` set (8 documents x 16 questions), at most 64 new tokens, EOS stops, its
     decode backend calling each build in turn (interleaved, rotating): per build the median
-    `generate` seconds and kernel seconds."""
+    `generate` seconds and kernel seconds (plain decodes and shared runs)."""
     from actors import EngineConfig, LLMEngine, SamplingParams
     from actors.loader import load_tokenizer
     from benchmarks.bench_job import alpaca_messages, prompt_ids
@@ -177,6 +243,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--cases", default="short,long,runs", help="of short, long, runs")
+    parser.add_argument("--runs", type=int, default=8, help="runs case: shared runs")
+    parser.add_argument("--run-keys", type=int, default=1040, help="runs case: keys per run")
+    parser.add_argument("--members", type=int, default=16, help="runs case: decodes per run")
     parser.add_argument(
         "--engine",
         type=int,
@@ -201,10 +271,17 @@ def main() -> None:
             dtype = DTYPES[dname]
             builds = {"baseline": before[dtype], "tree": tree[dtype]}
             for cname, keys in CASES.items():
+                if cname not in args.cases.split(","):
+                    continue
                 case = make_case(args.seqs, keys, args, dtype, seed=len(cname))
                 common.log(f"{dname} {cname}: {keys[0]}-{keys[1]} keys x {args.seqs} seqs")
                 result[f"{dname}_{cname}"] = run_case(builds, case, args.repeats)
                 common.log(f"  {result[f'{dname}_{cname}']}")
+            if "runs" in args.cases.split(","):
+                common.log(f"{dname} runs: {args.runs} x {args.run_keys} keys x {args.members}")
+                runs_case = make_runs_case(args, dtype, seed=7)
+                result[f"{dname}_runs"] = run_runs_case(builds, runs_case, args.repeats)
+                common.log(f"  {result[f'{dname}_runs']}")
             if args.engine:
                 result[f"{dname}_engine_{args.engine_set}"] = run_engine(
                     builds, dname, args.engine_set, args.engine, args.engine_repeats

@@ -236,10 +236,11 @@ def _load(source: Path) -> ctypes.CDLL | None:
 
 
 def load_library(
-    compiler: str | None, cache_dir: Path, source: Path = SOURCE
+    compiler: str | None, cache_dir: Path, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS
 ) -> ctypes.CDLL | None:
-    """Build `source` (`paged_decode.c`) with `compiler` into `cache_dir` unless built already,
-    and load it; None (with a warning) when there is no compiler or the build fails."""
+    """Build `source` (`paged_decode.c`) with `compiler` and `flags` into `cache_dir` unless
+    built already, and load it; None (with a warning) when there is no compiler or the build
+    fails. (Tests build with `-mno-avx512f` added: the kernels' path for other CPUs.)"""
     if compiler is None:
         logger.warning("no C compiler on PATH: decode attention gathers blocks for SDPA")
         return None
@@ -247,19 +248,19 @@ def load_library(
     headers = sorted(source.parent.glob("*.h"))  # what the source may include
     for part in (source.read_bytes(), *(h.read_bytes() for h in headers)):
         key.update(part)
-    for part in (" ".join(FLAGS).encode(), _cpu_signature().encode()):
+    for part in (" ".join(flags).encode(), _cpu_signature().encode()):
         key.update(part)
     target = cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         try:
-            _build(compiler, target, source)
+            _build(compiler, target, source, flags)
         except (OSError, subprocess.SubprocessError) as exc:
             logger.warning("could not build %s (%s): decode attention gathers blocks", source, exc)
             return None
     return ctypes.CDLL(str(target))
 
 
-def _build(compiler: str, target: Path, source: Path) -> None:
+def _build(compiler: str, target: Path, source: Path, flags: tuple[str, ...] = FLAGS) -> None:
     """Compile into a temporary file beside `target`, then rename it into place: processes
     building at once (Ray workers on one node) never load a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -272,10 +273,10 @@ def _build(compiler: str, target: Path, source: Path) -> None:
 
     try:
         try:  # OpenMP where the compiler has it
-            run(*FLAGS, *OPENMP, "-c", str(source), "-o", obj)
+            run(*flags, *OPENMP, "-c", str(source), "-o", obj)
             run("-shared", *OPENMP, obj, "-o", tmp, "-lm")
         except subprocess.CalledProcessError:
-            run(*FLAGS, "-c", str(source), "-o", obj)
+            run(*flags, "-c", str(source), "-o", obj)
             run("-shared", obj, "-o", tmp, "-lm")
         os.replace(tmp, target)
     finally:

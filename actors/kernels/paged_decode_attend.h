@@ -20,10 +20,13 @@
  * before it reads them, and for the next pair's first keys while it sums this pair's last
  * values (measured: benchmarks/bench_decode_kernel.py, docs/benchmarks-peers.md).
  *
- * Plain C the compiler vectorizes (-O3 -march=native -ffast-math), no intrinsics: the same
- * source builds on any CPU with a C compiler. Only GNU builtins (gcc, clang): `always_inline`,
- * without which the specialization by head_dim is left to the optimizer, and
- * `__builtin_prefetch`, without which there is no prefetch.
+ * Plain C the compiler vectorizes (-O3 -march=native -ffast-math): the same source builds on
+ * any CPU with a C compiler. Where the CPU has AVX-512 (`__AVX512F__` under -march=native),
+ * a head_dim that is a multiple of 16 takes the intrinsics below instead (scores 16 keys at a
+ * time, one reduction tree for them; V sums in registers); the plain path stays tested
+ * (tests/actors/test_kernel_paths.py builds with -mno-avx512f). Only GNU builtins (gcc,
+ * clang): `always_inline`, without which the specialization by head_dim is left to the
+ * optimizer, and `__builtin_prefetch`, without which there is no prefetch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -96,6 +99,67 @@ ATTEND_INLINE const float *as_float(const ELEM *rows, int64_t n, int64_t stride,
 #endif
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* With AVX-512 and a head_dim that is a multiple of 16, a block's scores are taken 16 keys
+ * at a time: 16 vectors of partial dot products (independent FMA chains), then one vector of
+ * their 16 sums by a transposing tree (15 adds, 30 shuffles), not one horizontal reduction
+ * per key; and each head's sums of V stay in registers for the whole block. (measured:
+ * benchmarks/bench_decode_kernel.py, docs/benchmarks-peers.md) */
+#define ATTEND_AVX512 1
+
+/* lane j of the result: the sum of p[j]'s 16 lanes */
+ATTEND_INLINE __m512 sum16(const __m512 p[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: p2i p2i+1 p2i p2i+1, half sums */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                             _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: keys 4i .. 4i + 3, that lane's sums */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++) /* lanes: keys 8i .. 8i + 3 (lanes 0+1, 2+3), 8i + 4 .. */
+        c[i] = _mm512_add_ps(
+            _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+            _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* s[j] = q . k_j for the block's n <= 16 keys (rows `stride` apart), dim % 16 == 0. Past n
+ * the last key is read again (no branch: the 16 chains stay in registers), not stored. */
+ATTEND_INLINE void scores16(const float *restrict q, const float *restrict k, int64_t stride,
+                            int64_t n, const int64_t dim, float *restrict s) {
+    __m512 p[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) {
+        const float *kj = k + (j < n ? j : n - 1) * stride;
+        p[j] = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kj));
+        for (int64_t d = 16; d < dim; d += 16)
+            p[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kj + d), p[j]);
+    }
+    _mm512_mask_storeu_ps(s, (__mmask16)((1u << n) - 1u), sum16(p));
+}
+
+/* a[0 .. dim) += sum over j < n of w[j] v_j (rows `stride` apart), in registers 4 vectors
+ * at a time, dim % 16 == 0 */
+ATTEND_INLINE void values16(const float *restrict w, const float *restrict v, int64_t stride,
+                            int64_t n, const int64_t dim, float *restrict a) {
+    for (int64_t x = 0; x < dim; x += 64) {
+        const int nv = dim - x >= 64 ? 4 : (int)((dim - x) / 16);
+        __m512 acc[4];
+        for (int i = 0; i < nv; i++) acc[i] = _mm512_loadu_ps(a + x + 16 * i);
+        for (int64_t j = 0; j < n; j++) {
+            const __m512 wj = _mm512_set1_ps(w[j]);
+            for (int i = 0; i < nv; i++)
+                acc[i] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + j * stride + x + 16 * i), acc[i]);
+        }
+        for (int i = 0; i < nv; i++) _mm512_storeu_ps(a + x + 16 * i, acc[i]);
+    }
+}
+#else
+#define ATTEND_AVX512 0
+#endif
+
 /* One pair: its `group` query heads q (group x dim, float, already scaled) over the span,
  * into out (group x dim) and lse (group floats, or NULL). scores has room for group x
  * (end - first) floats, acc for group x dim, rows for block_size x dim. `next` (or NULL):
@@ -118,6 +182,15 @@ ATTEND_INLINE void attend_pair(const float *restrict q, const struct span *sp,
         const ELEM *block = block_rows(sp, sp->k, b, sh, &lo, &n);
         const float *k = as_float(block, n, sh->token_stride, dim, rows, &stride);
         float *s = scores + (lo - first);
+#if ATTEND_AVX512
+        if (dim % 16 == 0) {
+            for (int64_t j = 0; j < n; j += 16)
+                for (int64_t h = 0; h < group; h++)
+                    scores16(q + h * dim, k + j * stride, stride, n - j < 16 ? n - j : 16, dim,
+                             s + h * len + j);
+            continue;
+        }
+#endif
         for (int64_t h = 0; h < group; h++) {
             const float *qh = q + h * dim;
             for (int64_t j = 0; j < n; j++) {
@@ -158,6 +231,13 @@ ATTEND_INLINE void attend_pair(const float *restrict q, const struct span *sp,
         const ELEM *block = block_rows(sp, sp->v, b, sh, &lo, &n);
         const float *v = as_float(block, n, sh->token_stride, dim, rows, &stride);
         const float *w = scores + (lo - first);
+#if ATTEND_AVX512
+        if (dim % 16 == 0) {
+            for (int64_t h = 0; h < group; h++)
+                values16(w + h * len, v, stride, n, dim, acc + h * dim);
+            continue;
+        }
+#endif
         for (int64_t h = 0; h < group; h++) {
             float *a = acc + h * dim;
             for (int64_t j = 0; j < n; j++) {
