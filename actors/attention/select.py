@@ -8,11 +8,13 @@ from typing import Any
 import torch
 
 from actors.attention.base import AttentionBackend, HybridBackend, KVCaches
+from actors.attention.gemm_prefill import GemmPrefillBackend
 from actors.attention.kernel import KernelDecodeBackend
 from actors.attention.sdpa import SdpaDecodeBackend, SdpaPrefillBackend
 from actors.attention.shared_prefix import SharedPrefixDecodeBackend
 from actors.attention.varlen import VarlenBackend
 from actors.config import ATTENTION_BACKENDS
+from actors.cpu_linear import onednn_available
 from actors.kernels import paged_decode_kernel
 
 HALF = (torch.bfloat16, torch.float16)
@@ -70,13 +72,17 @@ def make_backend(
     """The backend `name` stands for, over `kv_caches` (whose device and dtype decide); with
     `shared_prefix` (`EngineConfig.shared_prefix_attention`) the C kernel's decodes read
     blocks that decodes share once per step, runs of members x keys >= the minimum
-    (`shared_prefix`; the C kernel's float32 and bfloat16: the other backends ignore it)."""
+    (`shared_prefix`; the C kernel's float32 and bfloat16: the other backends ignore it).
+    `cpu_kernel` in float32 attends its long prefill segments by oneDNN matrix products
+    (`gemm_prefill`); bfloat16 and the `sdpa` backend keep SDPA for them."""
     owned = next(k for k, _ in kv_caches if k.dim() == 4)
     name = resolve_backend(name, owned.device, owned.dtype)
     if name == "varlen":
         return VarlenBackend(kv_caches)
-    prefill = SdpaPrefillBackend(kv_caches)
+    prefill: AttentionBackend[Any] = SdpaPrefillBackend(kv_caches)
     if name == "cpu_kernel":
+        if owned.dtype == torch.float32 and onednn_available():  # its long segments by oneDNN
+            prefill = GemmPrefillBackend(kv_caches)
         kernel = paged_decode_kernel(owned.device, owned.dtype)
         assert kernel is not None  # resolve_backend checked
         if shared_prefix:
