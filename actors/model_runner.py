@@ -22,6 +22,7 @@ import torch
 
 from actors import attention, cpu_linear, dtypes, llama_layer, rotary_attention, screened_head
 from actors.config import EngineConfig
+from actors.kernels import fused
 from actors.kv_cache import allocate_kv_tensors
 from actors.request import Request
 from actors.rope import RequestRotary, RopePolicy, rotary_module, token_rope_lens
@@ -93,8 +94,9 @@ class ModelRunner:
         if self.linear_backend == "onednn":
             cpu_linear.pack_linears(model, fuse=config.fused_layers)
             if config.fused_layers:
-                rotary_attention.install(model)
-                llama_layer.install(model)
+                ops = fused.fused_ops(self.device, self.dtype) if config.fused_kernels else None
+                rotary_attention.install(model, ops)
+                llama_layer.install(model, ops)
         self.screened_head: ScreenedHead | None = None
         cpu = dtypes.cpu_info()
         if screened_head.wanted(config.lm_head_screen, model, self.device, self.dtype, cpu):

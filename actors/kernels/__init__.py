@@ -1,6 +1,7 @@
 """CPU kernels compiled on first use: the paged decode attention (`paged_decode.c` in float32,
 `paged_decode_bf16.c` in bfloat16, each its own library; both include the algorithm from
-`paged_decode_attend.h`).
+`paged_decode_attend.h`), and the layers' element-wise kernels (`fused_ops.c`, built with its
+own flags by `actors.kernels.fused`).
 
 torch has no paged attention on CPU (its varlen kernel is CUDA only, and IPEX, which has
 one, last released for torch 2.8), so raypack ships one small C file and builds it with the
@@ -228,18 +229,22 @@ def paged_decode_kernel(device: torch.device | str, dtype: torch.dtype) -> Paged
 
 
 @functools.cache  # one build and load per source and process; a loaded library never changes
-def _load(source: Path) -> ctypes.CDLL | None:
+def _load(source: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     from actors.loader import cache_dir  # beside the converted models ($RAYPACK_CACHE_DIR)
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    return load_library(compiler, cache_dir() / "kernels", source)
+    return load_library(compiler, cache_dir() / "kernels", source, flags)
 
 
 def load_library(
-    compiler: str | None, cache_dir: Path, source: Path = SOURCE
+    compiler: str | None,
+    cache_dir: Path,
+    source: Path = SOURCE,
+    flags: tuple[str, ...] = FLAGS,
 ) -> ctypes.CDLL | None:
-    """Build `source` (`paged_decode.c`) with `compiler` into `cache_dir` unless built already,
-    and load it; None (with a warning) when there is no compiler or the build fails."""
+    """Build `source` (`paged_decode.c`) with `compiler` and `flags` into `cache_dir` unless
+    built already, and load it; None (with a warning) when there is no compiler or the build
+    fails."""
     if compiler is None:
         logger.warning("no C compiler on PATH: decode attention gathers blocks for SDPA")
         return None
@@ -247,19 +252,19 @@ def load_library(
     headers = sorted(source.parent.glob("*.h"))  # what the source may include
     for part in (source.read_bytes(), *(h.read_bytes() for h in headers)):
         key.update(part)
-    for part in (" ".join(FLAGS).encode(), _cpu_signature().encode()):
+    for part in (" ".join(flags).encode(), _cpu_signature().encode()):
         key.update(part)
     target = cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         try:
-            _build(compiler, target, source)
+            _build(compiler, target, source, flags)
         except (OSError, subprocess.SubprocessError) as exc:
             logger.warning("could not build %s (%s): decode attention gathers blocks", source, exc)
             return None
     return ctypes.CDLL(str(target))
 
 
-def _build(compiler: str, target: Path, source: Path) -> None:
+def _build(compiler: str, target: Path, source: Path, flags: tuple[str, ...]) -> None:
     """Compile into a temporary file beside `target`, then rename it into place: processes
     building at once (Ray workers on one node) never load a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -272,10 +277,10 @@ def _build(compiler: str, target: Path, source: Path) -> None:
 
     try:
         try:  # OpenMP where the compiler has it
-            run(*FLAGS, *OPENMP, "-c", str(source), "-o", obj)
+            run(*flags, *OPENMP, "-c", str(source), "-o", obj)
             run("-shared", *OPENMP, obj, "-o", tmp, "-lm")
         except subprocess.CalledProcessError:
-            run(*FLAGS, "-c", str(source), "-o", obj)
+            run(*flags, "-c", str(source), "-o", obj)
             run("-shared", obj, "-o", tmp, "-lm")
         os.replace(tmp, target)
     finally:
