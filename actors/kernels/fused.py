@@ -43,6 +43,10 @@ class FusedOps:
         rotary.restype = ctypes.c_int
         self._rotary = rotary
         self._lanes: dict[tuple[int, float], int | None] = {}
+        argmax = library.raypack_argmax_bf16
+        argmax.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64]
+        argmax.restype = ctypes.c_int
+        self._argmax_bf16 = argmax
 
     def rms_norm(
         self,
@@ -76,6 +80,24 @@ class FusedOps:
             sin.data_ptr(),
             torch.get_num_threads(),
         )
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """`logits.float().argmax(-1)` of bfloat16 `[rows, vocab]` logits (unit stride along
+        the vocabulary) in one pass without the float32 copy; None for other logits."""
+        if logits.dtype != torch.bfloat16 or logits.dim() != 2 or logits.stride(-1) != 1:
+            return None
+        rows, cols = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        if rows and cols:
+            self._argmax_bf16(
+                logits.data_ptr(),
+                rows,
+                cols,
+                logits.stride(0),
+                out.data_ptr(),
+                torch.get_num_threads(),
+            )
+        return out if cols else None
 
     def norm_lanes(self, width: int, eps: float) -> int | None:
         """The vector width with which the fused norm gives torch's bits on probe rows of

@@ -174,3 +174,32 @@ int raypack_rotary_bf16(uint16_t *qk, int64_t row_stride, int64_t tokens, int64_
     }
     return 0;
 }
+
+/* The index of each row's largest value, as torch's argmax over the rows widened to float32
+ * (exact: a bf16 is a float32's top half): the first largest, or the first NaN if any. logits
+ * is [rows, cols], rows `row_stride` elements apart; out is [rows] int64. Reading the bf16
+ * rows once replaces widening them to a float32 copy and reading that. */
+int raypack_argmax_bf16(const uint16_t *logits, int64_t rows, int64_t cols, int64_t row_stride,
+                        int64_t *out, int64_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows * cols >= PARALLEL_MIN && num_threads > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *row = logits + r * row_stride;
+        int64_t best = 0;
+        float best_value = widen(row[0]);
+        if (best_value == best_value)
+            for (int64_t j = 1; j < cols; ++j) {
+                const float v = widen(row[j]);
+                if (v != v) { /* NaN: torch's argmax takes the first one */
+                    best = j;
+                    break;
+                }
+                if (v > best_value) {
+                    best_value = v;
+                    best = j;
+                }
+            }
+        out[r] = best;
+    }
+    return 0;
+}

@@ -8,7 +8,14 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from actors import cpu_linear, llama_layer, rotary_attention
+from actors import (
+    EngineConfig,
+    LLMEngine,
+    SamplingParams,
+    cpu_linear,
+    llama_layer,
+    rotary_attention,
+)
 from actors.kernels.fused import fused_ops
 from tests.tiny_models import tiny_model
 
@@ -101,3 +108,33 @@ def test_a_norm_whose_dtype_is_not_the_kernels_keeps_torchs_ops() -> None:
     rotary_attention.install(model, ops)
     llama_layer.install(model, ops)
     assert torch.equal(model(ids).logits, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 175])
+def test_bfloat16_argmax_is_torchs_on_the_float32_copy(rows) -> None:
+    ops = _ops(torch.bfloat16)
+    generator = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, 1000, generator=generator).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 900] = 50.0  # a tie: the first wins
+    if rows > 2:
+        logits[1, 500] = logits[1, 3] = float("nan")  # the first NaN, as torch's argmax
+        logits[2] = float("-inf")
+    assert torch.equal(ops.argmax(logits), logits.float().argmax(-1))
+    wider = torch.randn(rows, 1200, generator=generator).to(torch.bfloat16)
+    assert torch.equal(ops.argmax(wider[:, 100:1100]), wider[:, 100:1100].float().argmax(-1))
+    assert ops.argmax(logits.float()) is None
+
+
+@pytest.mark.skipif(not cpu_linear.onednn_available(), reason="torch was built without oneDNN")
+def test_bfloat16_engine_greedy_steps_take_the_kernel_argmax_same_tokens(tokenizer) -> None:
+    _ops(torch.bfloat16)
+    prompts = ["Hello there, how are you doing today?", "The capital of France is", "x"]
+    tokens = {}
+    for kernels in (True, False):
+        config = EngineConfig(num_kv_blocks=64, linear_backend="onednn", fused_kernels=kernels)
+        model = tiny_model("llama", num_layers=2).to(torch.bfloat16)
+        engine = LLMEngine(config, model=model, tokenizer=tokenizer)
+        assert (engine.runner.greedy_argmax is not None) == kernels
+        outs = engine.generate(prompts, SamplingParams(max_tokens=10))
+        tokens[kernels] = [list(o.token_ids) for o in outs]
+    assert tokens[True] == tokens[False]
