@@ -100,17 +100,22 @@ def teacher_forced(
     ids = engine.add_prompts(prompts, params)
     forcing = _ForcingRunner(inner, {i: list(t) for i, t in zip(ids, targets, strict=True)})
     engine.runner = forcing
-    # the forcing reads full logits: no screened greedy head meanwhile (actors/screened_head.py)
-    screened = getattr(inner, "screened_head", None)
-    if screened is not None:
-        inner.screened_head = None  # type: ignore[attr-defined]
+    # the forcing reads full logits: no greedy shortcut meanwhile (the screened head,
+    # actors/screened_head.py; the bfloat16 argmax, actors/kernels/fused.py)
+    shortcuts = {
+        name: value
+        for name in ("screened_head", "greedy_argmax")
+        if (value := getattr(inner, name, None)) is not None
+    }
+    for name in shortcuts:
+        setattr(inner, name, None)
     try:
         while engine.has_unfinished():
             engine.step()
     finally:
         engine.runner = inner
-        if screened is not None:
-            inner.screened_head = screened  # type: ignore[attr-defined]
+        for name, value in shortcuts.items():
+            setattr(inner, name, value)
     top1, logprobs = [], []
     for i, target in zip(ids, targets, strict=True):
         seen = forcing.seen[i]

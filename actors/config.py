@@ -82,6 +82,10 @@ class EngineConfig:
     # (actors/rotary_attention.py) and Llama-style layers as one function with fewer fresh
     # tensors (actors/llama_layer.py); bit-identical. False: transformers' layers as they are
     fused_layers: bool = True
+    # With fused_layers on CPU in float32 or bfloat16: the Llama layers' residual add + RMSNorm
+    # and the q/k rotary run as compiled one-pass kernels (actors/kernels/fused.py), each
+    # bit-identical to transformers' ops. False: the same steps as torch ops
+    fused_kernels: bool = True
     # Greedy steps (every sampling row greedy, no logprobs, penalties, bias or grammar) take
     # the float32 argmax from a bfloat16 LM head plus an error bound and a float32 recompute
     # of the few candidates (actors/screened_head.py; the same tokens). "auto": float32 on a

@@ -16,6 +16,11 @@ its MLP's `LlamaMLP.forward` with SiLU, its attention the one-pass rotary forwar
 dtype (float32, bfloat16 or float16); anything else keeps transformers' forward. In half
 precision the norm computes in float32 as transformers' does (the upcast copy is fresh, so
 its rsqrt product runs in place) and rounds once to the layer's dtype before the weight.
+
+With `FusedOps` (actors/kernels/fused.py, float32 and bfloat16 on CPU) each norm, and the
+residual add before the second one, is one compiled pass instead of 6-9 torch ops, the same
+bits (its sum of squares adds in torch's order; a width where no order is found keeps torch's
+ops).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from transformers.models.llama import modeling_llama
 
 from actors.cpu_linear import restore_forwards
+from actors.kernels.fused import FusedOps
 from actors.rotary_attention import code_key
 
 _LAYER = code_key(modeling_llama.LlamaDecoderLayer.forward)
@@ -78,8 +84,10 @@ def is_llama_layer(layer: torch.nn.Module) -> bool:
     )
 
 
-def install(model: torch.nn.Module) -> int:
-    """Give every `is_llama_layer` layer of `model` the one-function forward; how many."""
+def install(model: torch.nn.Module, ops: FusedOps | None = None) -> int:
+    """Give every `is_llama_layer` layer of `model` the one-function forward (its norms
+    the compiled ones of `ops` where their dtype is its and they match torch's bits); how
+    many."""
     if torch.nn.modules.module._global_forward_hooks or (
         torch.nn.modules.module._global_forward_pre_hooks
     ):
@@ -87,7 +95,7 @@ def install(model: torch.nn.Module) -> int:
     count = 0
     for module in model.modules():
         if is_llama_layer(module):
-            module.forward = _forward(module)
+            module.forward = _forward(module, ops)
             module._raypack_layer = True  # type: ignore[assignment]
             count += 1
     return count
@@ -98,10 +106,25 @@ def uninstall(model: torch.nn.Module) -> None:
     restore_forwards(model, "_raypack_layer")
 
 
-def _rms_norm(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+def _rms_norm(norm: Any, ops: FusedOps | None) -> Callable[..., torch.Tensor]:
+    """The norm of `x` (after `x += residual`, in place, when a residual is given)."""
     weight, eps = norm.weight, norm.variance_epsilon
+    lanes = None
+    if ops is not None and ops.dtype == weight.dtype and weight.dim() == 1:
+        lanes = ops.norm_lanes(weight.shape[0], eps)  # None: not torch's bits, torch's ops
+    fused = lanes is not None and weight.is_contiguous()
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if (
+            fused
+            and x.dtype == weight.dtype
+            and x.is_contiguous()
+            and (residual is None or (residual.is_contiguous() and residual.shape == x.shape))
+        ):
+            assert ops is not None and lanes is not None
+            return ops.rms_norm(x, weight, eps, lanes, residual)
+        if residual is not None:
+            x += residual
         if x.dtype != weight.dtype:
             return norm(x)  # type: ignore[no-any-return]
         if x.dtype == torch.float32:
@@ -120,9 +143,9 @@ def _rms_norm(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return forward
 
 
-def _forward(layer: Any) -> Callable[..., torch.Tensor]:
-    input_norm = _rms_norm(layer.input_layernorm)
-    post_norm = _rms_norm(layer.post_attention_layernorm)
+def _forward(layer: Any, ops: FusedOps | None) -> Callable[..., torch.Tensor]:
+    input_norm = _rms_norm(layer.input_layernorm, ops)
+    post_norm = _rms_norm(layer.post_attention_layernorm, ops)
     attention = layer.self_attn.forward
     gate, up, down = (
         layer.mlp.gate_proj.forward,
@@ -148,8 +171,7 @@ def _forward(layer: Any) -> Callable[..., torch.Tensor]:
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        attended += hidden_states  # the residual
-        normed = post_norm(attended)
+        normed = post_norm(attended, hidden_states)  # attended += the residual, in place
         act = torch.nn.functional.silu(gate(normed), inplace=True)
         act *= up(normed)
         out: torch.Tensor = down(act)

@@ -5,7 +5,8 @@ positions continuing after its cached tokens (`packing.layout.flat_layout`) and 
 its block table (`packing.layout.slot_mapping`). Decodes come first so attention can batch
 them. Logits are computed only at the last row of each request that samples this step; on a step
 whose sampling rows are all plain greedy, with `lm_head_screen`, the runner returns their
-tokens instead (`actors.screened_head`: a bfloat16 head screens, float32 decides).
+tokens instead (`actors.screened_head`: a bfloat16 head screens, float32 decides); so it does
+for bfloat16 logits with `fused_kernels` (their argmax in one compiled pass, the same tokens).
 
 `prepare` (layout -> tensors) and `forward` (model call) are separate on purpose. The
 padded and Prepacking prefills the benchmarks compare against live in `benchmarks/modes.py`.
@@ -22,6 +23,7 @@ import torch
 
 from actors import attention, cpu_linear, dtypes, llama_layer, rotary_attention, screened_head
 from actors.config import EngineConfig
+from actors.kernels import fused
 from actors.kv_cache import allocate_kv_tensors
 from actors.request import Request
 from actors.rope import RequestRotary, RopePolicy, rotary_module, token_rope_lens
@@ -44,6 +46,7 @@ class ModelInput:
     attn: attention.AttentionMetadata
     rope_lens: torch.Tensor | None = None  # [num_tokens] length-dependent rope only
     screen: bool = False  # every sampling row plain greedy: tokens from the screened head
+    greedy: bool = False  # every sampling row plain greedy (`screened_head.screenable`)
 
 
 def model_geometry(model: Any) -> tuple[int, int, int]:
@@ -86,6 +89,14 @@ class ModelRunner:
         self.linear_backend = cpu_linear.resolve(
             config.linear_backend, self.device, self.dtype, cpu_linear.linear_weight_bytes(model)
         )
+        # Compiled element-wise kernels (actors/kernels/fused.py): the layers' norms and
+        # rotary, and the greedy argmax of bfloat16 logits
+        self.fused_ops = fused.fused_ops(self.device, self.dtype) if config.fused_kernels else None
+        self.greedy_argmax = (
+            self.fused_ops.argmax
+            if self.fused_ops is not None and self.dtype == torch.bfloat16
+            else None
+        )
         # The model runs as this config says, whatever an earlier engine on it did.
         llama_layer.uninstall(model)
         rotary_attention.uninstall(model)
@@ -93,8 +104,8 @@ class ModelRunner:
         if self.linear_backend == "onednn":
             cpu_linear.pack_linears(model, fuse=config.fused_layers)
             if config.fused_layers:
-                rotary_attention.install(model)
-                llama_layer.install(model)
+                rotary_attention.install(model, self.fused_ops)
+                llama_layer.install(model, self.fused_ops)
         self.screened_head: ScreenedHead | None = None
         cpu = dtypes.cpu_info()
         if screened_head.wanted(config.lm_head_screen, model, self.device, self.dtype, cpu):
@@ -121,6 +132,7 @@ class ModelRunner:
             rope_lens = torch.from_numpy(
                 token_rope_lens(lens, step.num_new, step.layout.positions)
             ).to(self.device)
+        greedy = all(screened_head.screenable(r) for r in step.sampling)
         return ModelInput(
             input_ids=torch.tensor(step.input_ids, dtype=torch.long, device=self.device)[None],
             position_ids=torch.from_numpy(step.layout.positions).to(self.device)[None],
@@ -128,8 +140,8 @@ class ModelRunner:
             sampling=step.sampling,
             attn=meta,
             rope_lens=rope_lens,
-            screen=self.screened_head is not None
-            and all(screened_head.screenable(r) for r in step.sampling),
+            screen=self.screened_head is not None and greedy,
+            greedy=greedy,
         )
 
     @torch.inference_mode()
@@ -145,8 +157,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInput) -> torch.Tensor | GreedyTokens:
-        """Run the model; float32 logits `[num_sampling, vocab]`, or on a screened step the
-        greedy tokens themselves."""
+        """Run the model; float32 logits `[num_sampling, vocab]`, or on a screened step (or a
+        plain greedy one with bfloat16 logits and `fused_ops`) the greedy tokens themselves."""
         if self.rotary is not None:
             self.rotary.for_step(inputs.rope_lens)
         kwargs = {
@@ -166,8 +178,12 @@ class ModelRunner:
         if inputs.screen and self.screened_head is not None:
             hidden = out.last_hidden_state[0, inputs.logits_indices]
             return GreedyTokens(self.screened_head.argmax(hidden))
-        logits: torch.Tensor = out.logits[0].float()
-        return logits
+        logits: torch.Tensor = out.logits[0]
+        if inputs.greedy and self.greedy_argmax is not None:  # bfloat16: no float32 copy
+            tokens = self.greedy_argmax(logits)
+            if tokens is not None:
+                return GreedyTokens(tokens)
+        return logits.float()
 
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor | GreedyTokens]:
         """Copy blocks, run the step; the sampling requests and their logits."""

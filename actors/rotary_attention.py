@@ -10,6 +10,10 @@ output, and the rotation runs once over both: `qk * cos`, `roll(qk) * sin_signed
 shared by the layers. Every element is the same IEEE product and sum as HF's
 (`(-a) * b == a * (-b)` exactly), so the results are bit-identical.
 
+With `FusedOps` (actors/kernels/fused.py) in the step's dtype, the rotation is one compiled
+pass over q and k in place in the fused output (the same products and sums, the same bits),
+where cos/sin are one contiguous row per token; else the four torch ops above.
+
 Applied per module, only to attention modules whose forward is transformers'
 `LlamaAttention.forward` itself (the same bytecode: llama, gemma, granite, qwen2_moe in
 transformers 5; `modular` copies share it), whose q/k/v are fused and whose rotary covers
@@ -28,6 +32,7 @@ from transformers.models.llama import modeling_llama
 
 from actors.cpu_linear import restore_forwards
 from actors.fused_linear import FusedProjection
+from actors.kernels.fused import FusedOps
 
 
 def code_key(function: Any) -> tuple[Any, ...]:
@@ -70,14 +75,15 @@ def is_llama_attention(module: torch.nn.Module) -> bool:
     return isinstance(group, FusedProjection) and group.members == 3
 
 
-def install(model: torch.nn.Module) -> int:
+def install(model: torch.nn.Module, ops: FusedOps | None = None) -> int:
     """Give every Llama-style attention module of `model` (`is_llama_attention`) the
-    one-pass rotary forward; returns how many. `uninstall` undoes it."""
+    one-pass rotary forward (the compiled one of `ops` where its dtype and the step's
+    tensors fit); returns how many. `uninstall` undoes it."""
     signed = SignedSin()
     count = 0
     for module in model.modules():
         if is_llama_attention(module):
-            module.forward = _forward(module, signed)
+            module.forward = _forward(module, signed, ops)
             module._raypack_rotary = True  # type: ignore[assignment]
             count += 1
     return count
@@ -88,10 +94,11 @@ def uninstall(model: torch.nn.Module) -> None:
     restore_forwards(model, "_raypack_rotary")
 
 
-def _forward(module: Any, signed: SignedSin) -> Callable[..., Any]:
+def _forward(module: Any, signed: SignedSin, ops: FusedOps | None) -> Callable[..., Any]:
     group: FusedProjection = module.q_proj._raypack_packed
     head_dim = module.head_dim
     q_width, k_width, _ = group.sizes
+    qk_heads = (q_width + k_width) // head_dim
     fallback = type(module).forward
 
     def forward(
@@ -114,11 +121,15 @@ def _forward(module: Any, signed: SignedSin) -> Callable[..., Any]:
         input_shape = hidden_states.shape[:-1]
         qkv = group.full(hidden_states)  # [..., q + k + v]
         heads_shape = (*input_shape, -1, head_dim)
-        qk = qkv[..., : q_width + k_width].view(heads_shape)  # [b, n, q + k heads, dim]
-        cos, sin = cos.unsqueeze(-2), signed.of(sin).unsqueeze(-2)  # [b, n, 1, dim]
-        half = head_dim // 2
-        rotated = qk * cos
-        rotated += torch.roll(qk, half, dims=-1).mul_(sin)
+        if _fits(ops, qkv, cos, sin, input_shape, head_dim):
+            assert ops is not None
+            ops.rotary(qkv.view(-1, qkv.shape[-1]), qk_heads, head_dim, cos, sin)
+            rotated = qkv[..., : q_width + k_width].view(heads_shape)  # [b, n, q + k heads, dim]
+        else:
+            qk = qkv[..., : q_width + k_width].view(heads_shape)  # [b, n, q + k heads, dim]
+            cos, sin = cos.unsqueeze(-2), signed.of(sin).unsqueeze(-2)  # [b, n, 1, dim]
+            rotated = qk * cos
+            rotated += torch.roll(qk, head_dim // 2, dims=-1).mul_(sin)
         query = rotated[..., : q_width // head_dim, :].transpose(1, 2)
         key = rotated[..., q_width // head_dim :, :].transpose(1, 2)
         value = qkv[..., q_width + k_width :].view(heads_shape).transpose(1, 2)
@@ -139,3 +150,25 @@ def _forward(module: Any, signed: SignedSin) -> Callable[..., Any]:
         return module.o_proj(out), weights
 
     return forward
+
+
+def _fits(
+    ops: FusedOps | None,
+    qkv: torch.Tensor,  # [b, n, q + k + v]
+    cos: torch.Tensor,  # [b, n, head_dim]
+    sin: torch.Tensor,
+    input_shape: torch.Size,
+    head_dim: int,
+) -> bool:
+    """The compiled rotary applies: its dtype, every tensor contiguous, one cos/sin row per
+    token (no broadcast over a batch), an even head_dim."""
+    return (
+        ops is not None
+        and qkv.dtype == cos.dtype == sin.dtype == ops.dtype
+        and head_dim % 2 == 0
+        and tuple(cos.shape) == (*input_shape, head_dim)
+        and sin.shape == cos.shape
+        and qkv.is_contiguous()
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    )

@@ -108,19 +108,22 @@ def engine_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]
     """The engine mode once per combination of the options' values, each named by what
     differs from the defaults (`engine`, `engine-torch-unfused-noscreen-nogroups`, ...)."""
     variants = []
-    for backend, fused, screen, groups in itertools.product(
+    for backend, fused, kernels, screen, groups in itertools.product(
         args.linear_backends.split(","),
         args.fused_layers.split(","),
+        args.fused_kernels.split(","),
         args.lm_head_screen.split(","),
         args.prefix_groups.split(","),
     ):
         key = "engine" if backend == "auto" else f"engine-{backend}"
         key += "" if fused == "on" else "-unfused"
+        key += "" if kernels == "on" else "-torchops"
         key += {"auto": "", "on": "-screen"}.get(screen, "-noscreen")
         key += "" if groups == "on" else "-nogroups"
         options = {
             "linear_backend": backend,
             "fused_layers": fused == "on",
+            "fused_kernels": kernels == "on",
             "lm_head_screen": screen,
             "plan_prefix_groups": groups == "on",
         }
@@ -263,6 +266,11 @@ def main(argv: list[str] | None = None) -> None:
         "--fused-layers",
         default="on",
         help="the engine mode once per EngineConfig.fused_layers (on, off: `engine-unfused`)",
+    )
+    parser.add_argument(
+        "--fused-kernels",
+        default="on",
+        help="the engine mode once per EngineConfig.fused_kernels (on, off: `engine-torchops`)",
     )
     parser.add_argument(
         "--lm-head-screen",

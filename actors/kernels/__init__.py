@@ -1,6 +1,7 @@
 """CPU kernels compiled on first use: the paged decode attention (`paged_decode.c` in float32,
 `paged_decode_bf16.c` in bfloat16, each its own library; both include the algorithm from
-`paged_decode_attend.h`).
+`paged_decode_attend.h`), and the layers' element-wise kernels (`fused_ops.c`, built with its
+own flags by `actors.kernels.fused`).
 
 torch has no paged attention on CPU (its varlen kernel is CUDA only, and IPEX, which has
 one, last released for torch 2.8), so raypack ships one small C file and builds it with the
@@ -228,11 +229,11 @@ def paged_decode_kernel(device: torch.device | str, dtype: torch.dtype) -> Paged
 
 
 @functools.cache  # one build and load per source and process; a loaded library never changes
-def _load(source: Path) -> ctypes.CDLL | None:
+def _load(source: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     from actors.loader import cache_dir  # beside the converted models ($RAYPACK_CACHE_DIR)
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    return load_library(compiler, cache_dir() / "kernels", source)
+    return load_library(compiler, cache_dir() / "kernels", source, flags)
 
 
 def load_library(

@@ -13,23 +13,7 @@
  * `lse`, when not NULL, receives each head's log-sum-exp of its scaled scores (float32,
  * [num_seqs, num_heads]), for merging with attention over other keys.
  */
-#include <stdint.h>
-#include <string.h>
-
-static inline float widen(uint16_t x) {
-    const uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t narrow(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 #define ELEM uint16_t
 #define ELEM_FLOAT 0
