@@ -4,7 +4,6 @@ restart policy, torch threads, and how many shards one actor holds at once."""
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 from actors.config import EngineConfig
@@ -12,14 +11,6 @@ from pipeline.cluster_cpus import available_cpus, largest_node_cpus, threads_per
 from pipeline.config import ComputeConfig, PlanConfig
 
 MAX_SHARDS_IN_FLIGHT = 16  # per engine actor: each is a thread waiting in the actor
-
-# A CPU engine actor starts at the driver's priority (Ray's `RAY_worker_niceness`, which Ray's
-# own job manager sets to 0 for a job's driver), so that its imports and load, the job's start-up
-# critical path, come before the tokenizer's and Ray Data's other processes (nice 15) on a small
-# node; once loaded it steps at `STEP_NICENESS` (`lower_priority`), Ray's default for workers:
-# the steps at nice 0 were measured slower (docs/benchmarks-job-engine.md).
-STEP_NICENESS_ENV = "RAYPACK_STEP_NICENESS"
-STEP_NICENESS = 15  # Ray's default `worker_niceness`
 
 
 def shards_in_flight(engine: EngineConfig, plan: PlanConfig) -> int:
@@ -43,9 +34,7 @@ def engine_actor_args(compute: ComputeConfig, placements: Any = None) -> dict:
     hold them, one per bundle.
 
     The actor's process preloads `compute.allocator` (actors/allocator.py: tcmalloc where
-    the machine has it) through its `runtime_env`; a tp x pp engine's workers inherit it. A
-    CPU engine actor (no GPU, no placement group) starts at nice 0 and steps at
-    `STEP_NICENESS` (`lower_priority`, called by the stage once its engine is loaded)."""
+    the machine has it) through its `runtime_env`; a tp x pp engine's workers inherit it."""
     import ray
 
     from actors.allocator import preload_env
@@ -64,8 +53,6 @@ def engine_actor_args(compute: ComputeConfig, placements: Any = None) -> dict:
     if compute.memory_gb_per_actor:
         args["memory"] = int(compute.memory_gb_per_actor * 2**30)
     env = preload_env(compute.allocator)
-    if not gpus and placements is None:  # a CPU engine: its start-up first (STEP_NICENESS_ENV)
-        env = {**env, "RAY_worker_niceness": "0", STEP_NICENESS_ENV: str(STEP_NICENESS)}
     if env:
         args["runtime_env"] = {"env_vars": env}
     if placements is not None:
@@ -87,25 +74,3 @@ def default_torch_threads(
     if actor_args["num_gpus"] or world_size > 1:
         return None
     return threads_per_actor(available_cpus(), largest_node_cpus(), compute.num_actors)
-
-
-def lower_priority() -> int | None:
-    """In an engine actor started by `engine_actor_args` at the driver's priority: every thread
-    of this process (the torch threads the engine's load started too) to `STEP_NICENESS`, as
-    Ray runs its workers. Raising one's own niceness needs no privilege. The niceness set, or
-    None when this process was not started so (or not on Linux)."""
-    target = os.environ.get(STEP_NICENESS_ENV)
-    if target is None:
-        return None
-    niceness = int(target)
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:  # no /proc (not Linux): the actor keeps its priority
-        return None
-    for tid in threads:  # Linux keeps a niceness per thread
-        try:
-            if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
-                os.setpriority(os.PRIO_PROCESS, tid, niceness)
-        except OSError:  # the thread ended meanwhile
-            continue
-    return niceness

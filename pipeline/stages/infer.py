@@ -42,7 +42,6 @@ from actors.parallel.executor import WorkerFailedError
 from pipeline.job.phases import EngineMarks, process_start
 from pipeline.job.progress import ProgressReporter
 from pipeline.stages import group_columns, stage
-from pipeline.stages.engine_actor import lower_priority
 from pipeline.stages.feed import EngineFeed
 from pipeline.stages.group_columns import ShardGroups
 from pipeline.stages.logs import setup_worker_logging
@@ -110,7 +109,6 @@ class InferStage(Stage):
             on_finished=self.progress.finished if self.progress else None,
         )  # given no engine, the feed builds one in its own thread (see pipeline/stages/feed.py)
         self.marks.loaded = time.time()
-        lower_priority()  # started first for the job's start-up, it steps as Ray's workers do
 
     @property
     def engine(self):  # noqa: ANN201 (actors.LLMEngine)
