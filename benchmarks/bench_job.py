@@ -126,7 +126,8 @@ def engine_alone(
 
 def step_recording_stage(path: Path) -> type[InferStage]:
     """An InferStage that records, per engine step, its time, running and waiting sequences
-    and tokens; the log (and the time each shard finished) goes to `path` after each shard."""
+    and tokens; the log (and the time each shard finished) goes to `path` after each shard,
+    or with several engine actors to one file per actor beside it (`read_step_logs`)."""
 
     class Recorded(InferStage):
         def _new_engine(self):  # noqa: ANN202
@@ -165,10 +166,24 @@ def step_recording_stage(path: Path) -> type[InferStage]:
                     "shards_done": list(self.shards_done),
                     "actor": self.actor,
                 }
-                path.write_text(json.dumps(record))
+                path.with_name(f"{path.stem}.{os.getpid()}{path.suffix}").write_text(
+                    json.dumps(record)
+                )
             return table
 
     return Recorded
+
+
+def read_step_logs(path: Path) -> dict[str, Any]:
+    """The logs `step_recording_stage(path)` wrote, one per engine actor, merged: the steps
+    of every actor in time order, each shard's end, and each actor's stepping thread."""
+    logs = [json.loads(f.read_text()) for f in sorted(path.parent.glob(f"{path.stem}.*"))]
+    return {
+        "steps": sorted(s for log in logs for s in log["steps"]),
+        "shards_done": sorted(t for log in logs for t in log["shards_done"]),
+        "actor": logs[0]["actor"] if len(logs) == 1 else [log["actor"] for log in logs],
+        "actors": len(logs),
+    }
 
 
 def operator_spans(ds: Any) -> dict[str, list[float]]:
@@ -194,10 +209,11 @@ def run_one_job(
     shard_size: int,
     params: SamplingParams,
     steps_file: Path,
-    threads: int,
+    threads: int | None,
     sampler: CpuSampler | None = None,
     dtype: str = "auto",
     allocator: str = "auto",
+    actors: int | str = "auto",
 ) -> dict[str, Any]:
     """One job on a fresh local Ray; its wall time, breakdown, engine steps and outputs (and
     with a `sampler`, the cores each process held while the engine stepped)."""
@@ -215,7 +231,7 @@ def run_one_job(
         engine=EngineConfig(dtype=dtype),
         sampling=params,
         plan=PlanConfig(max_rows_per_shard=shard_size),
-        compute=ComputeConfig(torch_threads=threads, allocator=allocator),
+        compute=ComputeConfig(torch_threads=threads, num_actors=actors, allocator=allocator),
     )
     spans: dict[str, list[float]] = {}
     marks: dict[str, float] = {}
@@ -240,7 +256,7 @@ def run_one_job(
             ray.shutdown()
     ended = time.perf_counter()
     out = pq.read_table(output, columns=["id", "generated_token_ids", "num_prompt_tokens"])
-    steps = json.loads(steps_file.read_text())
+    steps = read_step_logs(steps_file)
     step_s = sum(s[3] for s in steps["steps"])
     first_step = min(s[0] for s in steps["steps"])
     last_step = max(s[0] + s[3] for s in steps["steps"])
@@ -271,6 +287,7 @@ def run_one_job(
         "phases_s": summary.phases_s,  # the job's own (pipeline/job/phases.py): from run_job's call
         "steps": len(steps["steps"]),
         "stepping_thread": steps["actor"],
+        "engine_actors": steps["actors"],
         "running_per_step": [s[1] for s in steps["steps"]],
         "waiting_per_step": [s[2] for s in steps["steps"]],
         "step_times": [round(s[0] - first_step, 3) for s in steps["steps"]],
@@ -292,9 +309,20 @@ def main(argv: list[str] | None = None) -> None:
         "--threads",
         type=int,
         default=os.cpu_count(),
-        help="torch threads of the engine, alone and in the job (the job's own default is "
-        "the same: the cluster's CPUs over its engine actors); fewer than the cores leaves "
-        "the rest to Ray and the pipeline, as on a GPU node",
+        help="torch threads of the engine alone (its default: the cores); fewer than the "
+        "cores leaves the rest to Ray and the pipeline, as on a GPU node",
+    )
+    parser.add_argument(
+        "--job-threads",
+        type=int,
+        help="torch threads of each of the job's engine actors (default: the job's own, the "
+        "cluster's CPUs over its engine actors)",
+    )
+    parser.add_argument(
+        "--job-actors",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="the job's engine actors (ComputeConfig.num_actors; default the job's own, auto)",
     )
     parser.add_argument(
         "--allocator",
@@ -349,11 +377,12 @@ def main(argv: list[str] | None = None) -> None:
                         out,
                         size,
                         params,
-                        work / "steps.json",
-                        args.threads,
+                        work / f"steps-{key}-{rep}.json",
+                        args.job_threads,
                         sampler,
                         args.dtype,
                         args.allocator,
+                        args.job_actors,
                     )
                 )
                 print(f"rep {rep}: job {key} {jobs[key][-1]['wall_s']} s", file=sys.stderr)

@@ -50,7 +50,12 @@ from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from actors.allocator import ALLOCATORS, preload_env  # noqa: E402
 from actors.loader import ensure_embedded_converted, load_tokenizer  # noqa: E402
 from benchmarks._bench_common import emit, log, machine  # noqa: E402
-from benchmarks.bench_job import alpaca_messages, prompt_ids, step_recording_stage  # noqa: E402
+from benchmarks.bench_job import (  # noqa: E402
+    alpaca_messages,
+    prompt_ids,
+    read_step_logs,
+    step_recording_stage,
+)
 from benchmarks.peer_docs import prefix_messages  # noqa: E402
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
@@ -191,7 +196,7 @@ def run_jobs(rows: list[tuple[str, list[dict]]], args: argparse.Namespace, work:
             engine=EngineConfig(dtype=args.dtype),
             sampling=SamplingParams(max_tokens=args.max_tokens),
             plan=PlanConfig(max_rows_per_shard=args.shard_size),
-            compute=ComputeConfig(torch_threads=args.threads),
+            compute=ComputeConfig(torch_threads=args.job_threads, num_actors=args.job_actors),
         )
         up = time.perf_counter()
         steps_file = work / f"steps-{repeat}.json"
@@ -203,7 +208,7 @@ def run_jobs(rows: list[tuple[str, list[dict]]], args: argparse.Namespace, work:
         walls.append(time.perf_counter() - started)
         jobs.append(returned - up)
         # the last run's start-up and tail (pipeline/job/phases.py), plan and batch per step
-        steps = json.loads(steps_file.read_text())["steps"]  # (start, running, waiting, s)
+        steps = read_step_logs(steps_file)["steps"]  # (start, running, waiting, s)
         last = {
             "phases_s": summary.phases_s,
             "num_shards": summary.num_shards,
@@ -293,6 +298,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--job-threads",
+        type=int,
+        help="torch threads of each job engine actor (default: the job's own)",
+    )
+    parser.add_argument(
+        "--job-actors",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="the job's engine actors (default: the job's own, auto)",
+    )
     parser.add_argument("--shard-size", type=int, default=64, help="the job's rows per shard")
     parser.add_argument("--repeats", type=int, default=3, help="medians over this many calls")
     parser.add_argument("--seed", type=int, default=0)

@@ -224,13 +224,21 @@ class PlanConfig:
             raise ValueError(f"num_partitions must be >= 1, got {self.num_partitions}")
 
 
+DEFAULT_CPUS_PER_ACTOR = 0.5  # an engine actor's CPUs for Ray's scheduling, when not set
+
+
 @dataclass(frozen=True)
 class ComputeConfig:
     """Where the stages run.
 
-    Engine actors take one GPU each when `num_gpus_per_actor` is None and the cluster has GPUs;
-    on CPU they take `num_cpus_per_actor` (fractional by default: on a 2-core machine two
-    whole-CPU actors leave nothing for the read tasks and Ray Data waits forever). `resources`
+    `num_actors="auto"` (the default) counts the job's engine actors: on CPU nodes as many
+    engines of `torch_threads` (1 when unset) threads as the CPUs and memory hold, where the
+    rows are enough to pay for their start; one for GPU, tp x pp or custom-resource engines
+    (pipeline/job/engine_count.py). Engine actors take one GPU each when `num_gpus_per_actor`
+    is None and the cluster has GPUs; on CPU they take `num_cpus_per_actor` (None: 0.5, less
+    for auto-counted engines that would otherwise leave no node a whole CPU; fractional: on a
+    2-core machine two whole-CPU actors leave nothing for the read tasks and Ray Data waits
+    forever). `resources`
     adds custom resources per engine actor (tests use {"fake_gpu": 1}); `memory_gb_per_actor`
     asks Ray for that much memory per engine actor, which keeps engines off small nodes.
 
@@ -241,9 +249,9 @@ class ComputeConfig:
     engine (new workers) up to `engine_retries` times; after that the job fails with the cause.
     """
 
-    num_actors: int = 1
+    num_actors: int | str = "auto"
     num_gpus_per_actor: float | None = None
-    num_cpus_per_actor: float = 0.5
+    num_cpus_per_actor: float | None = None
     resources: tuple[tuple[str, float], ...] = ()
     torch_threads: int | None = None  # None: torch's default in the actor
     num_tokenize_actors: int = 1
@@ -261,8 +269,14 @@ class ComputeConfig:
     allocator: str = "auto"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_actors, int) or self.num_actors < 1:
-            raise ValueError(f"num_actors must be an integer >= 1, got {self.num_actors!r}")
+        if self.num_actors != "auto" and (
+            not isinstance(self.num_actors, int) or self.num_actors < 1
+        ):
+            raise ValueError(
+                f"num_actors must be an integer >= 1 or 'auto', got {self.num_actors!r}"
+            )
+        if self.num_cpus_per_actor is not None and self.num_cpus_per_actor < 0:
+            raise ValueError(f"num_cpus_per_actor must be >= 0, got {self.num_cpus_per_actor}")
         if self.num_tokenize_actors < 1:
             raise ValueError(f"num_tokenize_actors must be >= 1, got {self.num_tokenize_actors}")
         if self.max_restarts < 0:
@@ -277,6 +291,13 @@ class ComputeConfig:
             raise ValueError(f"rows_per_block must be >= 1, got {self.rows_per_block}")
         check_allocator(self.allocator)
         object.__setattr__(self, "resources", tuple((str(k), float(v)) for k, v in self.resources))
+
+    @property
+    def actor_cpus(self) -> float:
+        """An engine actor's CPUs for Ray's scheduling: `num_cpus_per_actor`, else 0.5."""
+        return (
+            DEFAULT_CPUS_PER_ACTOR if self.num_cpus_per_actor is None else self.num_cpus_per_actor
+        )
 
 
 @dataclass(frozen=True)

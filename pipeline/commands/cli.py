@@ -199,7 +199,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
     c = parser.add_argument_group("compute")
-    c.add_argument("--num-actors", type=int, default=compute.num_actors, help="engine actors")
+    c.add_argument(
+        "--num-actors",
+        type=_actor_count,
+        default=compute.num_actors,
+        help="engine actors, or auto: on CPU nodes one per --torch-threads cores (1 when unset) "
+        "that memory holds, where the rows are enough to pay for their start; one on GPUs",
+    )
     c.add_argument(
         "--num-gpus-per-actor", type=float, help="default: 1 when the cluster has GPUs, else 0"
     )
@@ -207,7 +213,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-cpus-per-actor",
         type=float,
         default=compute.num_cpus_per_actor,
-        help="CPUs Ray reserves per engine actor (on CPU machines)",
+        help="CPUs Ray reserves per engine actor (on CPU machines; default 0.5, less for "
+        "auto-counted engines that would leave no node a whole CPU)",
     )
     c.add_argument(
         "--actor-resource",
@@ -438,3 +445,16 @@ def _resource(text: str) -> tuple[str, float]:
     if not sep or not name:
         raise ValueError(f"--actor-resource wants NAME=N, got {text!r}")
     return name, float(amount)
+
+
+def _actor_count(text: str) -> int | str:
+    """`--num-actors`: a count >= 1 or auto (argparse names the flag when this fails)."""
+    if text == "auto":
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"wants an integer >= 1 or auto, got {text!r}")
+    return count

@@ -30,7 +30,7 @@ class NoRoomError(ValueError):
 def engine_share(config: JobConfig) -> placement.Bundle:
     """What one engine actor itself asks for: its CPUs, custom resources and memory."""
     compute = config.compute
-    share: placement.Bundle = {"CPU": compute.num_cpus_per_actor, **dict(compute.resources)}
+    share: placement.Bundle = {"CPU": compute.actor_cpus, **dict(compute.resources)}
     if compute.memory_gb_per_actor:
         share["memory"] = compute.memory_gb_per_actor * 2**30
     return share
@@ -143,7 +143,7 @@ def check_cpu_room(config: JobConfig, gpu: bool, nodes: list[dict[str, float]]) 
         bundles = [b.get("CPU", 0.0) for b in group_bundles(config, gpu)]
         per_actor = [sum(bundles)] if group_strategy(config) == "STRICT_PACK" else bundles
     else:
-        per_actor = [compute.num_cpus_per_actor]
+        per_actor = [compute.actor_cpus]
     demands = per_actor * compute.num_actors + [compute.tokenize_num_cpus] * (
         compute.num_tokenize_actors
     )

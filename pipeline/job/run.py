@@ -43,6 +43,7 @@ from pipeline.io.read import (
 from pipeline.io.report import PlanStats, StatsCollector, Summary, summarize, write_report
 from pipeline.io.resume import DoneIds, done_filter, scan_output
 from pipeline.job import engine_placement
+from pipeline.job.engine_count import resolve_engines
 from pipeline.job.engine_placement import EnginePlacements
 from pipeline.job.phases import EngineMarks, JobClock
 from pipeline.job.progress import ProgressBoard
@@ -130,11 +131,46 @@ def prepare(config: JobConfig) -> PreparedJob:
         override_columns=overrides,
         max_model_len=max_model_len,
         vocab_size=vocab_size,
-        num_partitions=config.plan.num_partitions
-        or max(config.compute.num_actors, math.ceil(source.num_bytes / BYTES_PER_PARTITION)),
+        num_partitions=config.plan.num_partitions or partitions_for(source.num_bytes),
         resolved_model=model,
         checked=checked,
     )
+
+
+def partitions_for(num_bytes: int) -> int:
+    """The plan's partitions when not set: one per `BYTES_PER_PARTITION` of input.
+
+    Not one per engine actor, as it was: Ray Data's hash shuffle then gave the plan the second
+    partition ~45 s after the first (1,024 rows, 2 engine actors: one engine idle that long;
+    docs/benchmarks-job-engine.md), and one partition of a small input plans in well under a
+    second."""
+    return max(1, math.ceil(num_bytes / BYTES_PER_PARTITION))
+
+
+def resolved_engines(config: JobConfig, prepared: PreparedJob) -> JobConfig:
+    """The job's engine actors counted (`pipeline.job.engine_count`: "auto" from the nodes,
+    the model and the rows); the count logged once with its reason."""
+    import ray
+
+    from actors.loader import checked_config
+
+    engine = config.engine
+    gpus = config.compute.num_gpus_per_actor
+    uses_gpus = bool(gpus) or (
+        gpus is None and engine_placement.workers_use_gpus(config, ray.cluster_resources())
+    )
+    rows = prepared.checked.num_rows
+    hf = checked_config(
+        prepared.resolved_model,
+        engine.trust_remote_code,
+        engine.tensor_parallel_size,
+        engine.pipeline_parallel_size,
+    )
+    sequences = None if rows is None else rows * config.sampling.n
+    config, reason = resolve_engines(config, sequences, hf, uses_gpus)
+    if reason is not None:
+        logger.info("%d engine actor(s): %s", config.compute.num_actors, reason)
+    return config
 
 
 def claim_output(config: JobConfig, prepared: PreparedJob) -> OutputFolder:
@@ -175,10 +211,12 @@ def processor_config(config: JobConfig, prepared: PreparedJob) -> ProcessorConfi
 def job_processor(config: JobConfig, prepared: PreparedJob) -> Processor:
     """The processor whose path the job runs: its config, and the model facts and resolved
     model `prepare` found (handed to the tokenizer and engine stages as they are)."""
+    rows = prepared.checked.num_rows
     return Processor(
         processor_config(config, prepared),
         facts=(prepared.max_model_len, prepared.vocab_size),
         resolved_model=prepared.resolved_model,
+        rows=None if rows is None else rows * config.sampling.n,
     )
 
 
@@ -303,6 +341,7 @@ def run_job(
     timer.mark("job")
     prepared = prepared or prepare(config)
     config = _resolved_dtype(config)
+    config = resolved_engines(config, prepared)
     groups = check_room(config)  # before anything is written
     prefix = folder.filename_prefix()
     try:

@@ -18,6 +18,7 @@ stops the dataset.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,7 +60,9 @@ class Processor:
     the model (tokenizer and engine actors). `preprocess` / `postprocess` (Ray Data
     LLM's): a function of a row applied before (`ds.map`) and after; `before` a stage run on
     the rows the preprocess returns; `ray_columns` renames the output columns as Ray Data LLM
-    names them (`pipeline.processor.ray_llm`)."""
+    names them (`pipeline.processor.ray_llm`). `rows`: the sequences the caller expects, when
+    it knows them (the job does), so that several engine actors share the shards evenly
+    (`shards_in_flight`)."""
 
     def __init__(
         self,
@@ -71,8 +74,10 @@ class Processor:
         postprocess: Callable[[Row], Row] | None = None,
         before: ChatPromptStage | None = None,
         ray_columns: RayColumnsStage | None = None,
+        rows: int | None = None,
     ):
         self.config = config
+        self.rows = rows  # the sequences the caller expects (the job counts them), else None
         self._model = facts
         self._resolved_model = resolved_model
         self._loaded_tokenizer: tuple[Any] | None = None  # (`_driver_tokenizer`'s answer,)
@@ -205,7 +210,8 @@ class Processor:
         ds = ds.repartition(target_num_rows_per_block=1)
         args = engine_actor_args(compute, placements)
         threads = default_torch_threads(compute, args, config.engine.world_size)
-        in_flight = shards_in_flight(config.engine, config.plan)
+        share = None if self.rows is None else math.ceil(self.rows / config.actor_pool_size[0])
+        in_flight = shards_in_flight(config.engine, config.plan, share)
         with warnings.catch_warnings():
             # max_restarts / max_task_retries have no named parameter in map_batches (2.60),
             # and Ray Data's default is to retry forever: a shard that kills its actor every

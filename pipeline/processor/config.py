@@ -94,7 +94,7 @@ class ProcessorConfig:
                 f"concurrency must be an integer >= 1 or a (min, max) pair of them with min <= "
                 f"max, got {self.concurrency!r}"
             )
-        if self.compute.num_actors not in (1, high):
+        if self.compute.num_actors not in (1, "auto", high):
             raise ValueError("set the number of engine actors with concurrency, not compute")
         if not self.text_column:
             raise ValueError("text_column is empty")

@@ -13,16 +13,26 @@ from pipeline.config import ComputeConfig, PlanConfig
 MAX_SHARDS_IN_FLIGHT = 16  # per engine actor: each is a thread waiting in the actor
 
 
-def shards_in_flight(engine: EngineConfig, plan: PlanConfig) -> int:
+def shards_in_flight(
+    engine: EngineConfig, plan: PlanConfig, rows_per_actor: int | None = None
+) -> int:
     """Shards one engine actor holds at once: twice `max_num_seqs` in rows, plus one shard.
 
     A shard keeps its place until its last row ends (pipeline/stages/feed.py), and by then most of
     its rows have long finished: with only `max_num_seqs` rows in flight the engine ran out
     of waiting prompts mid-job (1,024 Alpaca rows, 64-row shards: 160 of 281 steps with none
     waiting, a median of 192 running of 256; docs/benchmarks-job-engine.md). Twice that keeps
-    prompts waiting until the last shard is in."""
+    prompts waiting until the last shard is in.
+
+    With `rows_per_actor` (the rows over the engine actors, when the caller knows them) at
+    most that share: Ray Data hands shards to the actors up now, so the first engine up took
+    9 of a 1,024-row job's 16 shards and the other engine idled at the end (2 engines of 1
+    thread, docs/benchmarks-job-engine.md); no engine need hold more than its share."""
     rows = plan.max_rows_per_shard
-    return min(MAX_SHARDS_IN_FLIGHT, max(2, math.ceil(2 * engine.max_num_seqs / rows) + 1))
+    count = min(MAX_SHARDS_IN_FLIGHT, max(2, math.ceil(2 * engine.max_num_seqs / rows) + 1))
+    if rows_per_actor is not None:
+        count = min(count, max(2, math.ceil(rows_per_actor / rows)))
+    return count
 
 
 def engine_actor_args(compute: ComputeConfig, placements: Any = None) -> dict:
@@ -43,7 +53,7 @@ def engine_actor_args(compute: ComputeConfig, placements: Any = None) -> dict:
     if gpus is None:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     args: dict = dict(
-        num_cpus=compute.num_cpus_per_actor,
+        num_cpus=compute.actor_cpus,
         num_gpus=gpus,
         max_restarts=compute.max_restarts,
         max_task_retries=compute.max_restarts,

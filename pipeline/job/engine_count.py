@@ -1,0 +1,142 @@
+"""How many engine actors a job starts when `--num-actors auto` (the default): on CPU nodes,
+several engines of few threads each where the rows are enough to pay for their start.
+
+Why: one engine's step alternates Python (scheduling, sampling, the detokenizer) with torch
+work, and while Python runs the engine's other threads wait; its 2-thread linears also run
+at ~93 % of twice one thread. Two engines of one thread on a 2-core machine ran the same
+525 Alpaca rows 1.13x faster than one engine of two threads (25.4 s against 28.9 s, float32,
+token-identical; docs/benchmarks-job-engine.md). Each engine's start (a process importing
+torch and transformers, the model loaded) costs ~5 CPU-seconds while the rows are read and
+planned, so a job starts one engine per `ROWS_PER_ENGINE` rows at most: in a 525-row job two
+engines still ran 1.08x one (37.2 s against 40.3 s; the first step ~1.8 s later).
+
+GPU engines, tensor/pipeline-parallel engines and engines with custom resources keep one
+actor unless asked: their count is the user's (it follows the devices they hold).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pipeline.config import DEFAULT_CPUS_PER_ACTOR, JobConfig
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+ROWS_PER_ENGINE = 256  # sequences per engine at least (one engine below that)
+MEMORY_SHARE = 0.5  # of a node's memory, for its engines' weights and KV caches
+RUNTIME_BYTES = 2**30  # an engine process beside its weights and KV cache (torch, Python)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Node:
+    """One alive node: its CPUs and the memory Ray may give its tasks (bytes)."""
+
+    cpus: float
+    memory: float
+
+
+def nodes_now() -> list[Node]:
+    """The alive nodes of the connected Ray, else this machine (what a local Ray gets)."""
+    import ray
+
+    from actors.build_thread import usable_cores
+
+    if ray.is_initialized():
+        return [
+            Node(float(n["Resources"].get("CPU", 0.0)), float(n["Resources"].get("memory", 0.0)))
+            for n in ray.nodes()
+            if n.get("Alive")
+        ]
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.7  # Ray's own share
+    return [Node(float(usable_cores()), float(memory))]
+
+
+def engine_bytes(hf_config: Any, dtype_bytes: int, kv_cache_gb: float) -> float | None:
+    """One engine's memory: its weights in the engine's dtype (counted from the config, as a
+    decoder's embeddings, attention and MLP hold them), its KV cache and the process around
+    them; None when the config does not say its shapes."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    try:
+        hidden, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
+        inter = text.intermediate_size
+    except AttributeError:
+        return None
+    heads = getattr(text, "num_attention_heads", 1) or 1
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 1
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    mlp = 3 * hidden * inter * experts
+    tied = getattr(hf_config, "tie_word_embeddings", True)
+    params = layers * (attention + mlp) + vocab * hidden * (1 if tied else 2)
+    return params * dtype_bytes + kv_cache_gb * 2**30 + RUNTIME_BYTES
+
+
+def cpu_engines(
+    nodes: list[Node], threads: int, per_engine: float | None, sequences: int | None
+) -> tuple[int, str]:
+    """How many CPU engines of `threads` torch threads the `nodes` hold (each node: its CPUs
+    over the threads, and what half its memory holds), at most one per `ROWS_PER_ENGINE`
+    sequences when their count is known; at least one. Returned with the reason, for the log."""
+    per_node = []
+    for node in nodes:
+        count = int(node.cpus) // threads
+        if per_engine:
+            count = min(count, int(node.memory * MEMORY_SHARE // per_engine))
+        per_node.append(max(0, count))
+    held = max(1, sum(per_node))
+    reason = f"{held} fit the nodes' CPUs ({threads} thread(s) each) and memory"
+    if sequences is not None:
+        worth = max(1, sequences // ROWS_PER_ENGINE)
+        if worth < held:
+            return worth, (
+                f"{reason}; {sequences} sequences are worth {worth} (one per {ROWS_PER_ENGINE}: "
+                "an engine's start costs more than it saves on fewer)"
+            )
+    return held, reason
+
+
+def cpus_per_actor(nodes: list[Node], num_actors: int, tokenize_cpus: float) -> float:
+    """Each engine actor's CPUs for Ray's scheduling: 0.5, or less where the engines spread
+    over the nodes would leave no whole CPU on a node beside the tokenizers (Ray Data lists the
+    input in a task of one CPU: `engine_placement.check_cpu_room`). The actors compute on
+    `torch_threads` cores whatever they hold (pipeline/stages/engine_actor.py)."""
+    largest = max((n.cpus for n in nodes), default=1.0)
+    on_one = math.ceil(num_actors / max(1, len(nodes)))
+    room = largest - 1.0 - tokenize_cpus
+    if on_one * DEFAULT_CPUS_PER_ACTOR <= room:
+        return DEFAULT_CPUS_PER_ACTOR
+    return max(0.05, math.floor(room / on_one * 1000) / 1000)
+
+
+def resolve_engines(
+    config: JobConfig, sequences: int | None, hf_config: Any, gpus: bool,
+    nodes: list[Node] | None = None,
+) -> tuple[JobConfig, str | None]:  # fmt: skip
+    """`config` with its engine actors counted (`num_actors="auto"`) and the CPUs of several
+    CPU engine actors set (`num_cpus_per_actor=None`: `cpus_per_actor`, given counts too),
+    and the reason for the count (None when it was given)."""
+    compute = config.compute
+    reason = None
+    count = compute.num_actors
+    if count == AUTO:
+        if gpus or config.engine.world_size > 1 or compute.resources:
+            count, reason = 1, "one engine for GPU, tensor/pipeline-parallel or custom resources"
+        else:
+            nodes = nodes if nodes is not None else nodes_now()
+            width = DTYPE_BYTES.get(config.engine.dtype, 4)  # "auto" unresolved: float32's
+            per_engine = engine_bytes(hf_config, width, config.engine.kv_cache_memory_gb)
+            threads = compute.torch_threads or 1
+            count, reason = cpu_engines(nodes, threads, per_engine, sequences)
+    cpus = compute.num_cpus_per_actor
+    if cpus is None and count > 1 and not gpus and config.engine.world_size == 1:
+        tokenize = compute.tokenize_num_cpus * compute.num_tokenize_actors
+        cpus = cpus_per_actor(nodes or nodes_now(), count, tokenize)
+    compute = replace(compute, num_actors=count, num_cpus_per_actor=cpus)
+    return replace(config, compute=compute), reason
