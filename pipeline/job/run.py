@@ -157,7 +157,10 @@ def resolved_engines(config: JobConfig, prepared: PreparedJob) -> JobConfig:
     engine = config.engine
     gpus = config.compute.num_gpus_per_actor
     uses_gpus = bool(gpus) or (
-        gpus is None and engine_placement.workers_use_gpus(config, ray.cluster_resources())
+        gpus is None
+        and engine_placement.workers_use_gpus(
+            config, ray.cluster_resources() if ray.is_initialized() else {}
+        )
     )
     rows = prepared.checked.num_rows
     hf = checked_config(
@@ -196,7 +199,10 @@ def claim_output(config: JobConfig, prepared: PreparedJob) -> OutputFolder:
 def processor_config(config: JobConfig, prepared: PreparedJob) -> ProcessorConfig:
     """The job's options for the path it shares with the processor (`Processor.engine_rows`):
     its prompt, engine, sampling, text column, engine actors, compute options (torch
-    threads, engine retries, restarts) and plan, with the partition count `prepare` chose."""
+    threads, engine retries, restarts) and plan, with the partition count `prepare` chose;
+    engine actors still "auto" are counted here (`resolved_engines`)."""
+    if config.compute.num_actors == "auto":
+        config = resolved_engines(config, prepared)
     return ProcessorConfig.of_prompt(
         config.prompt,
         engine=config.engine,
