@@ -210,7 +210,8 @@ class Processor:
         ds = ds.repartition(target_num_rows_per_block=1)
         args = engine_actor_args(compute, placements)
         threads = default_torch_threads(compute, args, config.engine.world_size)
-        share = None if self.rows is None else math.ceil(self.rows / config.actor_pool_size[0])
+        actors = config.actor_pool_size[0]
+        share = None if self.rows is None or actors == 1 else math.ceil(self.rows / actors)
         in_flight = shards_in_flight(config.engine, config.plan, share)
         with warnings.catch_warnings():
             # max_restarts / max_task_retries have no named parameter in map_batches (2.60),

@@ -27,11 +27,12 @@ def shards_in_flight(
     With `rows_per_actor` (the rows over the engine actors, when the caller knows them) at
     most that share: Ray Data hands shards to the actors up now, so the first engine up took
     9 of a 1,024-row job's 16 shards and the other engine idled at the end (2 engines of 1
-    thread, docs/benchmarks-job-engine.md); no engine need hold more than its share."""
+    thread, docs/benchmarks-job-engine.md), and of a 128-row job's two shards one engine
+    took both; no engine need hold more than its share."""
     rows = plan.max_rows_per_shard
     count = min(MAX_SHARDS_IN_FLIGHT, max(2, math.ceil(2 * engine.max_num_seqs / rows) + 1))
     if rows_per_actor is not None:
-        count = min(count, max(2, math.ceil(rows_per_actor / rows)))
+        count = min(count, max(1, math.ceil(rows_per_actor / rows)))
     return count
 
 

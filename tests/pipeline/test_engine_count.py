@@ -117,7 +117,7 @@ def test_each_engine_holds_at_most_its_share_of_the_shards() -> None:
     assert shards_in_flight(engine, plan) == 9  # twice the batch in rows, plus one shard
     assert shards_in_flight(engine, plan, rows_per_actor=512) == 8  # 1,024 rows, 2 engines
     assert shards_in_flight(engine, plan, rows_per_actor=1000) == 9
-    assert shards_in_flight(engine, plan, rows_per_actor=10) == 2
+    assert shards_in_flight(engine, plan, rows_per_actor=64) == 1  # 128 rows, 2 engines
 
 
 def test_partitions_follow_the_input_bytes_not_the_engines() -> None:
