@@ -264,7 +264,7 @@ def build_dataset(
     `collector`), then the processor's path (`Processor.engine_rows`) with the job's keep
     columns carried, its collector, its tp x pp placement groups and its `progress` board."""
     ds = id_rows(config, prepared, done_ids or (), collector)
-    return job_processor(config, prepared).engine_rows(
+    ds = job_processor(config, prepared).engine_rows(
         ds,
         carry=config.input.keep_columns,
         collector=collector,
@@ -272,6 +272,13 @@ def build_dataset(
         infer_cls=infer_cls,
         progress=progress,
     )
+    # Ray Data's per-operator reservations held the shuffle's second partition from the plan
+    # until the engine had finished the first (1,024 rows in 2 partitions, one engine: plan
+    # at 43.7 s, steps 65.3 s; without them 9.0 s and 63.0 s; docs/benchmarks-job-engine.md).
+    # The shuffle takes every row before it gives any, so nothing upstream of it reads ahead
+    # of it; the job's own dataset (its context is the job's, from its read) runs without.
+    ds.context.op_resource_reservation_enabled = False
+    return ds
 
 
 def check_room(config: JobConfig) -> EnginePlacements | None:

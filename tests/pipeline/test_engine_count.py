@@ -123,3 +123,23 @@ def test_each_engine_holds_at_most_its_share_of_the_shards() -> None:
 def test_partitions_follow_the_input_bytes_not_the_engines() -> None:
     assert partitions_for(10) == 1
     assert partitions_for(2 * BYTES_PER_PARTITION + 1) == 3
+
+
+@pytest.mark.timeout(120)
+def test_the_jobs_dataset_runs_without_ray_datas_reservations(
+    ray_cluster, prompt_table, tiny_model_dir, tmp_path
+) -> None:
+    """They held the shuffle's second partition from the plan until the engine had done the
+    first (docs/benchmarks-job-engine.md); the job's own dataset turns them off, the
+    driver's and a user's datasets keep them."""
+    import ray.data
+
+    from pipeline.job.run import build_dataset, prepare
+    from tests.pipeline.test_job import make_config
+
+    config = make_config(prompt_table, tiny_model_dir, tmp_path / "out")
+    user = ray.data.range(4)
+    ds = build_dataset(config, prepare(config))  # lazy: nothing runs
+    assert ds.context.op_resource_reservation_enabled is False
+    assert ray.data.DataContext.get_current().op_resource_reservation_enabled is True
+    assert user.context.op_resource_reservation_enabled is True
