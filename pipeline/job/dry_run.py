@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from pipeline.config import JobConfig
 from pipeline.io import storage
-from pipeline.job.engine_count import resolve_engines
+from pipeline.job.engine_count import count_for_job
 from pipeline.job.estimate import Calibration, Workload, calibrate, estimate, sample_rows
 from pipeline.stages import stage
 
@@ -131,7 +131,8 @@ def dry_run(config: JobConfig, prepared, calibrate: bool = True) -> DryRun:  # n
     table = read_table(prepared.source, config.input.hf_split)
     done = done_ids(config.output)
     ids = RowIdStage(prepared.id_column, done)(table)
-    config = _counted_engines(config, prepared, ids.num_rows)
+    # counted as the job counts them, on this machine (a dry run starts no Ray)
+    config = count_for_job(config, prepared.resolved_model, ids.num_rows, {})[0]
     tokenize = TokenizeStage(
         config.prompt,
         model=prepared.resolved_model,
@@ -167,22 +168,6 @@ def dry_run(config: JobConfig, prepared, calibrate: bool = True) -> DryRun:  # n
         calibration=calibration,
         picture=draw_plan(ok, shards, stats),
     )
-
-
-def _counted_engines(config: JobConfig, prepared, rows: int) -> JobConfig:  # noqa: ANN001
-    """The job's engine actors counted as the job counts them (pipeline/job/engine_count.py),
-    on this machine's cores and memory (a dry run starts no Ray)."""
-    from actors.loader import checked_config
-
-    engine = config.engine
-    gpus = bool(config.compute.num_gpus_per_actor) or (engine.device or "").startswith("cuda")
-    hf = checked_config(
-        prepared.resolved_model,
-        engine.trust_remote_code,
-        engine.tensor_parallel_size,
-        engine.pipeline_parallel_size,
-    )
-    return resolve_engines(config, rows * config.sampling.n, hf, gpus)[0]
 
 
 def read_table(source, hf_split: str | None) -> pa.Table:  # noqa: ANN001 (read.InputSource)

@@ -140,3 +140,25 @@ def resolve_engines(
         cpus = cpus_per_actor(nodes or nodes_now(), count, tokenize)
     compute = replace(compute, num_actors=count, num_cpus_per_actor=cpus)
     return replace(config, compute=compute), reason
+
+
+def count_for_job(
+    config: JobConfig, resolved_model: Any, num_rows: int | None, cluster: dict[str, float]
+) -> tuple[JobConfig, str | None]:
+    """`resolve_engines` for a job: its model's config (no weight read), its sequences (the
+    input's rows, None when not counted, times `n`) and whether its engines hold GPUs (as
+    `engine_actor_args` decides it, from the `cluster`'s resources: {} without Ray)."""
+    from actors.loader import checked_config
+    from pipeline.job.engine_placement import workers_use_gpus
+
+    engine = config.engine
+    gpus = config.compute.num_gpus_per_actor
+    uses_gpus = bool(gpus) or (gpus is None and workers_use_gpus(config, cluster))
+    hf = checked_config(
+        resolved_model,
+        engine.trust_remote_code,
+        engine.tensor_parallel_size,
+        engine.pipeline_parallel_size,
+    )
+    sequences = None if num_rows is None else num_rows * config.sampling.n
+    return resolve_engines(config, sequences, hf, uses_gpus)

@@ -43,7 +43,7 @@ from pipeline.io.read import (
 from pipeline.io.report import PlanStats, StatsCollector, Summary, summarize, write_report
 from pipeline.io.resume import DoneIds, done_filter, scan_output
 from pipeline.job import engine_placement
-from pipeline.job.engine_count import resolve_engines
+from pipeline.job.engine_count import count_for_job
 from pipeline.job.engine_placement import EnginePlacements
 from pipeline.job.phases import EngineMarks, JobClock
 from pipeline.job.progress import ProgressBoard
@@ -140,10 +140,9 @@ def prepare(config: JobConfig) -> PreparedJob:
 def partitions_for(num_bytes: int) -> int:
     """The plan's partitions when not set: one per `BYTES_PER_PARTITION` of input.
 
-    Not one per engine actor, as it was: Ray Data's hash shuffle then gave the plan the second
-    partition ~45 s after the first (1,024 rows, 2 engine actors: one engine idle that long;
-    docs/benchmarks-job-engine.md), and one partition of a small input plans in well under a
-    second."""
+    Not at least one per engine actor, as it was: that put every input of two engine actors
+    through Ray Data's hash shuffle (1,024 rows: read and plan 8.4 s against 4.5 s in one
+    partition; docs/benchmarks-job-engine.md)."""
     return max(1, math.ceil(num_bytes / BYTES_PER_PARTITION))
 
 
@@ -152,25 +151,10 @@ def resolved_engines(config: JobConfig, prepared: PreparedJob) -> JobConfig:
     the model and the rows); the count logged once with its reason."""
     import ray
 
-    from actors.loader import checked_config
-
-    engine = config.engine
-    gpus = config.compute.num_gpus_per_actor
-    uses_gpus = bool(gpus) or (
-        gpus is None
-        and engine_placement.workers_use_gpus(
-            config, ray.cluster_resources() if ray.is_initialized() else {}
-        )
+    cluster = ray.cluster_resources() if ray.is_initialized() else {}
+    config, reason = count_for_job(
+        config, prepared.resolved_model, prepared.checked.num_rows, cluster
     )
-    rows = prepared.checked.num_rows
-    hf = checked_config(
-        prepared.resolved_model,
-        engine.trust_remote_code,
-        engine.tensor_parallel_size,
-        engine.pipeline_parallel_size,
-    )
-    sequences = None if rows is None else rows * config.sampling.n
-    config, reason = resolve_engines(config, sequences, hf, uses_gpus)
     if reason is not None:
         logger.info("%d engine actor(s): %s", config.compute.num_actors, reason)
     return config
