@@ -28,7 +28,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,10 +42,10 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from benchmarks.cpu_share import CpuSampler  # noqa: E402
+from benchmarks.step_log import read_step_logs, step_recording_stage  # noqa: E402
 from pipeline.commands.shutdown import RayShutdown  # noqa: E402
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig  # noqa: E402
 from pipeline.job.run import run_job  # noqa: E402
-from pipeline.stages.infer import InferStage  # noqa: E402
 
 DATA_DIR = Path(os.environ.get("RAYPACK_DATA_DIR", ROOT.parent / "shared" / "data"))
 # Ray Data operator names (as in its stats) -> the breakdown's names; the first match wins
@@ -122,68 +121,6 @@ def engine_alone(
     del engine
     gc.collect()
     return result
-
-
-def step_recording_stage(path: Path) -> type[InferStage]:
-    """An InferStage that records, per engine step, its time, running and waiting sequences
-    and tokens; the log (and the time each shard finished) goes to `path` after each shard,
-    or with several engine actors to one file per actor beside it (`read_step_logs`)."""
-
-    class Recorded(InferStage):
-        def _new_engine(self):  # noqa: ANN202
-            engine = super()._new_engine()
-            self.steps: list[tuple[float, int, int, float]] = []
-            self.shards_done: list[float] = []
-            self.actor: dict[str, Any] = {}
-            step = engine.step
-
-            def recorded():  # noqa: ANN202
-                if not self.actor:  # the stepping thread, as it runs the first step
-                    import torch
-
-                    self.actor = {
-                        "torch_threads": torch.get_num_threads(),
-                        "nice": os.getpriority(os.PRIO_PROCESS, 0),
-                    }
-                started = time.perf_counter()
-                outputs = step()
-                s = engine.scheduler
-                self.steps.append(
-                    (started, len(s.running), len(s.waiting), time.perf_counter() - started)
-                )
-                return outputs
-
-            engine.step = recorded
-            self.dump_lock = threading.Lock()  # shards finish in several threads
-            return engine
-
-        def run_shard(self, shard):  # noqa: ANN001, ANN202
-            table = super().run_shard(shard)
-            self.shards_done.append(time.perf_counter())
-            with self.dump_lock:
-                record = {
-                    "steps": list(self.steps),
-                    "shards_done": list(self.shards_done),
-                    "actor": self.actor,
-                }
-                path.with_name(f"{path.stem}.{os.getpid()}{path.suffix}").write_text(
-                    json.dumps(record)
-                )
-            return table
-
-    return Recorded
-
-
-def read_step_logs(path: Path) -> dict[str, Any]:
-    """The logs `step_recording_stage(path)` wrote, one per engine actor, merged: the steps
-    of every actor in time order, each shard's end, and each actor's stepping thread."""
-    logs = [json.loads(f.read_text()) for f in sorted(path.parent.glob(f"{path.stem}.*"))]
-    return {
-        "steps": sorted(s for log in logs for s in log["steps"]),
-        "shards_done": sorted(t for log in logs for t in log["shards_done"]),
-        "actor": logs[0]["actor"] if len(logs) == 1 else [log["actor"] for log in logs],
-        "actors": len(logs),
-    }
 
 
 def operator_spans(ds: Any) -> dict[str, list[float]]:

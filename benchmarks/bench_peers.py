@@ -50,13 +50,9 @@ from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from actors.allocator import ALLOCATORS, preload_env  # noqa: E402
 from actors.loader import ensure_embedded_converted, load_tokenizer  # noqa: E402
 from benchmarks._bench_common import emit, log, machine  # noqa: E402
-from benchmarks.bench_job import (  # noqa: E402
-    alpaca_messages,
-    prompt_ids,
-    read_step_logs,
-    step_recording_stage,
-)
+from benchmarks.bench_job import alpaca_messages, prompt_ids  # noqa: E402
 from benchmarks.peer_docs import prefix_messages  # noqa: E402
+from benchmarks.step_log import read_step_logs, step_recording_stage  # noqa: E402
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 _ORIGINAL_PRELOAD = "RAYPACK_PEERS_ORIGINAL_LD_PRELOAD"  # before `with_allocator` started us again
