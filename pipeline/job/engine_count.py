@@ -16,15 +16,12 @@ actor unless asked: their count is the user's (it follows the devices they hold)
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeline.config import DEFAULT_CPUS_PER_ACTOR, JobConfig
-
-logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 ROWS_PER_ENGINE = 256  # sequences per engine at least (one engine below that)
