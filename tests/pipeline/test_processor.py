@@ -12,7 +12,6 @@ from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -23,6 +22,7 @@ from pipeline import ProcessorConfig, build_processor
 from pipeline.config import ComputeConfig, PlanConfig, PromptConfig
 from tests.actors.reference import assert_greedy_match, hf_greedy, torch_threads
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
+from tests.pipeline.user_maps import KEPT, fix_ids, no_error, with_query_len
 from tests.tiny_models import VOCAB
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -78,7 +78,7 @@ def test_user_program_carries_every_column_once_and_equals_generate(
     pq.write_table(pa.Table.from_pylist(table_rows), tmp_path / "in.parquet")
 
     ds = ray.data.read_parquet(str(tmp_path / "in.parquet"))
-    ds = ds.map(lambda r: {**r, "query_len": len(r["query"])})  # the user's own step before
+    ds = ds.map(with_query_len)  # the user's own step before
     expected = ds.take_all()  # what the processor gets
     ds.write_parquet(str(tmp_path / "given"))  # ... and its types, as Parquet stores them
     processor = build_processor(
@@ -149,7 +149,7 @@ def test_token_ids_with_logprobs_filtered_after(ray_cluster, tiny_model_dir, ref
         config(tiny_model_dir, token_ids_column="ids", sampling=sampling, concurrency=1)
     )
     done = processor(ds).materialize()
-    ok = done.filter(lambda r: r["error"] is None).take_all()  # the user's own filter after
+    ok = done.filter(no_error).take_all()  # the user's own filter after
     failed = {r["k"]: r for r in done.take_all() if r["error"] is not None}
 
     assert sorted(r["k"] for r in ok) == list(range(len(prompts)))
@@ -185,7 +185,7 @@ def test_token_ids_with_logprobs_filtered_after(ray_cluster, tiny_model_dir, ref
     fixes = {k: prompts[n] for n, k in enumerate(sorted(bad))}
     seen = tmp_path / "fixed"
     retried = processor.retry_errors(
-        done.map_batches(partial(_fix_ids, fixes, seen), batch_format="pyarrow")
+        done.map_batches(partial(fix_ids, fixes, seen), batch_format="pyarrow")
     ).take_all()
     assert sorted(map(int, seen.read_text().split())) == sorted(r["k"] for r in done.take_all())
     assert sorted(r["k"] for r in retried) == [*range(len(prompts)), *sorted(bad)]
@@ -221,25 +221,6 @@ def test_bad_configs_fail_before_any_work(ray_cluster, tiny_model_dir):
         build_processor(config(tiny_model_dir, prompt_column="p"))(ds)
     with pytest.raises(ValueError, match=r"\['error'\] have the names"):
         build_processor(config(tiny_model_dir, prompt_column="text"))(ds)
-
-
-KEPT = "kept from the first run"
-
-
-def _fix_ids(fixes: dict[int, list[int]], seen: Path, batch: pa.Table) -> pa.Table:
-    """The user's fix after the token-ids run: each error row's ids replaced (`fixes` by
-    `k`), the other rows' text marked, so a regenerated good row would show; each row's `k`
-    appended to `seen`."""
-    with seen.open("a") as f:
-        f.write("".join(f"{k}\n" for k in batch.column("k").to_pylist()))
-    ok = pc.is_null(batch.column("error"))
-    text = pc.if_else(ok, pa.scalar(KEPT), batch.column("generated_text"))
-    batch = batch.set_column(batch.schema.get_field_index("generated_text"), "generated_text", text)
-    keys, ids = batch.column("k").to_pylist(), batch.column("ids").to_pylist()
-    fixed = pa.array(
-        [fixes.get(k, i) for k, i in zip(keys, ids, strict=True)], pa.list_(pa.int64())
-    )
-    return batch.set_column(batch.schema.get_field_index("ids"), "ids", fixed)
 
 
 def _key(row: dict) -> str:

@@ -8,28 +8,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 
 from actors import EngineConfig, SamplingParams
 from pipeline import ProcessorConfig, build_processor
 from pipeline.config import ComputeConfig, PlanConfig, PromptConfig
 from tests.pipeline.test_retry_errors import BAD, PROMPTS
+from tests.pipeline.user_maps import KEPT, fix_samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-KEPT = "kept from the first run"
-
-
-def _fix(batch: pa.Table) -> pa.Table:
-    """The user's fix: the out-of-range per-row max_tokens cleared; the first run's text of
-    the good rows marked, so a regenerated good row would show."""
-    ok = pc.is_null(batch.column("error"))
-    text = pc.if_else(ok, pa.scalar(KEPT), batch.column("generated_text"))
-    batch = batch.set_column(batch.schema.get_field_index("generated_text"), "generated_text", text)
-    cleared = pa.nulls(batch.num_rows, batch.schema.field("max_tokens").type)
-    return batch.set_column(batch.schema.get_field_index("max_tokens"), "max_tokens", cleared)
-
 
 # Samples per row in the samples test: the processor's n=2, and ok-3's own through its
 # sampling column.
@@ -52,15 +39,6 @@ def prompt_rows():
             }
         )
     )
-
-
-def _fix_samples(batch: pa.Table) -> pa.Table:
-    """`_fix`, and sample 1 of ok-1 given an error, as the engine gives one sample of a row
-    (e.g. a sample that outgrows the KV cache) while the row's other samples end well."""
-    batch = _fix(batch)
-    hit = pc.and_(pc.equal(batch.column("doc"), "ok-1"), pc.equal(batch.column("sample_index"), 1))
-    error = pc.if_else(hit, pa.scalar("a sample's error"), batch.column("error"))
-    return batch.set_column(batch.schema.get_field_index("error"), "error", error)
 
 
 def test_retry_errors_with_samples_each_row_sample_once(ray_cluster, tiny_model_dir):
@@ -107,7 +85,7 @@ def test_retry_errors_with_samples_each_row_sample_once(ray_cluster, tiny_model_
         if not r["error"]:
             assert list(r["generated_token_ids"]) == hf[r["doc"]], r
 
-    retried = processor.retry_errors(first.map_batches(_fix_samples, batch_format="pyarrow"))
+    retried = processor.retry_errors(first.map_batches(fix_samples, batch_format="pyarrow"))
     retried = retried.take_all()
     assert sorted((r["doc"], r["sample_index"]) for r in retried) == sorted(
         (d, s) for d in ids for s in range(SAMPLES[d])
