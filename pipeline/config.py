@@ -203,7 +203,7 @@ class PlanConfig:
     max_rows_per_shard: int = 256
     max_tokens_per_shard: int = 65536
     # Hash partitions of the shuffle. None: one per engine actor (the processor), or for the
-    # job one per 64 MiB of input and at least one per engine actor (pipeline/job/run.py).
+    # job one per 64 MiB of input (pipeline/job/run.py `partitions_for`).
     num_partitions: int | None = None
     # rows sharing an id with different content: see pipeline/stages/dedupe.py
     on_duplicate: str = "error"
@@ -307,7 +307,8 @@ class FilesConfig:
     A file is closed (and only then visible under its name) at `max_rows_per_file` rows or at
     about `max_bytes_per_file` bytes, whichever comes first: Ray Data's own defaults for its
     file writes are of this order (128 MiB blocks, `max_rows_per_file`). Each of `num_writers`
-    writer actors (None: one per engine actor) keeps one file open, so a job ends with about
+    writer actors (None: one per 8 engine actors, `pipeline.io.writer.default_num_writers`)
+    keeps one file open, so a job ends with about
     rows / max_rows_per_file files plus one per writer.
     """
 

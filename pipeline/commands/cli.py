@@ -99,7 +99,7 @@ def add_io_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-writers",
         type=int,
-        help="writer actors, one open output file each (default: one per engine actor)",
+        help="writer actors, one open output file each (default: one per 8 engine actors)",
     )
     g.add_argument(
         "--input-format",

@@ -402,7 +402,7 @@ def _generate(
     and the engines' marks (`run_job`'s work once there are rows to generate)."""
     import ray
 
-    from pipeline.io.writer import ShardSink
+    from pipeline.io.writer import ShardSink, default_num_writers
 
     collector = ray.remote(num_cpus=0)(StatsCollector).remote()
     board = ray.remote(num_cpus=0)(ProgressBoard).remote() if watch else None
@@ -416,7 +416,7 @@ def _generate(
             config.output,
             prefix,
             config.files,
-            config.files.num_writers or config.compute.num_actors,
+            config.files.num_writers or default_num_writers(config.compute.num_actors),
         )
         with watching:
             written = sink.write(ds)

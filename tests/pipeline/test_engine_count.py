@@ -143,3 +143,9 @@ def test_the_jobs_dataset_runs_without_ray_datas_reservations(
     assert ds.context.op_resource_reservation_enabled is False
     assert ray.data.DataContext.get_current().op_resource_reservation_enabled is True
     assert user.context.op_resource_reservation_enabled is True
+
+
+def test_one_writer_per_eight_engine_actors_unless_given() -> None:
+    from pipeline.io.writer import default_num_writers
+
+    assert [default_num_writers(n) for n in (1, 2, 8, 9, 64)] == [1, 1, 1, 2, 8]

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from actors.config import EngineConfig, SamplingParams
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
 from pipeline.io.report import REPORT_FILE, SUMMARY_FILE
+from pipeline.io.resume import data_files
 from pipeline.job.run import run_job
 from pipeline.stages.infer import InferStage
 from tests.actors.reference import hf_greedy, torch_threads
@@ -179,3 +180,6 @@ def test_snippets_two_actors_groups_whole_and_killed_actor_recovered(
         assert len(shards[doc]) == (1 if n <= 3 else 2), (doc, n, shards[doc])
     summary = json.loads((output / SUMMARY_FILE).read_text())
     assert summary["split_groups"] == sum(1 for n in counts.values() if n > 3) > 0
+    # One writer for the two engine actors (pipeline/io/writer.py `default_num_writers`):
+    # one file (`<prefix>_<run>-<writer>-<n>.parquet`), writer 0's.
+    assert [p.rsplit("-", 2)[1] for p in data_files(output)] == ["0"]
