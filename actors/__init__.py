@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from actors.gc_pause import gc_paused
+
 if TYPE_CHECKING:
     from actors.config import EngineConfig, SamplingParams
     from actors.engine import LLMEngine
@@ -29,4 +31,6 @@ __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "Toke
 def __getattr__(name: str) -> Any:
     if name not in _HOME:
         raise AttributeError(f"module 'actors' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOME[name]), name)
+    with gc_paused():  # the first use imports torch and transformers (actors/gc_pause.py)
+        module = importlib.import_module(_HOME[name])
+    return getattr(module, name)

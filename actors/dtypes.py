@@ -13,10 +13,12 @@ import logging
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from actors.config import DTYPE_NAMES
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -91,5 +93,7 @@ def resolve_dtype(requested: str, device: str, cpu: CpuInfo | None = None) -> to
         )
     else:
         logger.info("dtype %s (%s)", name, reason)
+    import torch  # here: the job's driver chooses the dtype without torch (3 CPU-s to import)
+
     dtype: torch.dtype = getattr(torch, name)
     return dtype

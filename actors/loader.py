@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actors import architectures, remote_model
+from actors.gc_pause import gc_paused
 
 if TYPE_CHECKING:
     import torch
@@ -238,14 +239,16 @@ def checked_config(
     (for an engine of that tp and pp): `architectures.UnsupportedModelError`
     for a model the engine would run wrong, from the config alone (the commands call this
     before Ray starts; no weight is read)."""
-    from transformers import AutoConfig
-
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(model)
     source = resolved.files()
-    config = AutoConfig.from_pretrained(
-        source.path, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
-    )
-    architectures.check_config(config, architectures.causal_lm_class(config))
+    with gc_paused():  # torch, transformers and the model's class imported (actors/gc_pause.py)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            source.path, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+        )
+        model_class = architectures.causal_lm_class(config)
+    architectures.check_config(config, model_class)
     architectures.check_parallel(config, tensor_parallel_size, pipeline_parallel_size)
     return config
 

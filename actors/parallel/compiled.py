@@ -24,7 +24,8 @@ import ray
 import torch
 from ray.dag import InputNode, MultiOutputNode
 
-from actors.parallel.executor import ParallelExecutor, WorkerFailedError
+from actors.parallel.errors import WorkerFailedError
+from actors.parallel.executor import ParallelExecutor
 from actors.parallel.step_plan import plan_step
 from actors.request import Request
 from actors.scheduler import SchedulerOutput

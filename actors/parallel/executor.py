@@ -31,16 +31,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config import EngineConfig
 from actors.parallel import placement
+from actors.parallel.errors import WorkerFailedError
 from actors.parallel.step_plan import plan_step
 from actors.parallel.worker import StageWorker
 from actors.request import Request
 from actors.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerFailedError(RuntimeError):
-    """A worker of a parallel engine died or raised; the engine cannot continue."""
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,19 @@ import os
 import socket
 import time
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
-from actors import attention
 from actors.config import EngineConfig
-from actors.kv_cache import allocate_kv_tensors
-from actors.parallel.step_plan import StepPlan
-from actors.parallel.weights import build_stage
+from actors.gc_pause import gc_paused
+
+# Ray imports this module as the worker's class arrives: its start (actors/gc_pause.py).
+with gc_paused():
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from actors import attention
+    from actors.kv_cache import allocate_kv_tensors
+    from actors.parallel.step_plan import StepPlan
+    from actors.parallel.weights import build_stage
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,9 @@ The phases, in seconds (a phase whose marks are missing is left out, e.g. `impor
     engine_process  the job's start -> the actor's process started (0 when Ray gave it a
                   worker started earlier)
     engine_imports  -> its constructor runs: Ray's worker start-up, Ray Data's, the stage's
-                  module (torch, transformers, the engine) and its arguments unpickled
-    engine_load   -> its engine is loaded (the model, the KV pool)
+                  module and its arguments unpickled
+    engine_load   -> its engine is loaded (torch, transformers' modeling and the engine
+                  imported, the model, the KV pool)
     first_step    the later of the two above -> the first engine step starts
     to_first_step the process's start (else the job's) -> the first engine step
     steps         the first step's start -> the last step's end

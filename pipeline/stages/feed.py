@@ -32,7 +32,7 @@ from typing import Any
 
 from actors.config import SamplingParams
 from actors.outputs import RequestOutput
-from actors.parallel.executor import WorkerFailedError
+from actors.parallel.errors import WorkerFailedError
 
 logger = logging.getLogger(__name__)
 

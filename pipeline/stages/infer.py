@@ -36,9 +36,10 @@ from dataclasses import dataclass, replace
 import pyarrow as pa
 
 from actors.config import EngineConfig, SamplingParams
+from actors.gc_pause import gc_paused
 from actors.loader import ResolvedModel
 from actors.outputs import RequestOutput
-from actors.parallel.executor import WorkerFailedError
+from actors.parallel.errors import WorkerFailedError
 from pipeline.job.phases import EngineMarks, process_start
 from pipeline.job.progress import ProgressReporter
 from pipeline.stages import group_columns, stage
@@ -116,14 +117,15 @@ class InferStage(Stage):
         return self.feed.engine
 
     def _new_engine(self):  # noqa: ANN202 (actors.LLMEngine)
-        import torch
-
-        from actors import LLMEngine
-
         started = time.perf_counter()
-        engine = LLMEngine(
-            self.engine_config, tokenizer=self.tokenizer, resolved_model=self.resolved_model
-        )
+        with gc_paused():  # torch, transformers' modeling and the model (actors/gc_pause.py)
+            import torch
+
+            from actors import LLMEngine
+
+            engine = LLMEngine(
+                self.engine_config, tokenizer=self.tokenizer, resolved_model=self.resolved_model
+            )
         logger.info(
             "engine for %s loaded in %.1fs (%d torch threads)",
             self.engine_config.model,

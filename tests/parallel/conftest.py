@@ -149,7 +149,7 @@ def assert_killed_worker_fails_loudly(engine: LLMEngine, stage: int, rank: int, 
     bound asserted)."""
     import ray
 
-    from actors.parallel.executor import WorkerFailedError
+    from actors.parallel.errors import WorkerFailedError
 
     crash = steps_run(engine.runner) + 3
     ray.get(engine.runner.workers[stage][rank].crash_at_step.remote(crash))
