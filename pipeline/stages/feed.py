@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.config import SamplingParams
+from actors.gc_pause import gc_paused
 from actors.outputs import RequestOutput
 from actors.parallel.errors import WorkerFailedError
 
@@ -127,18 +128,21 @@ class EngineFeed:
     # ---- the feed thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        import torch
+        # The engine actor's start: torch, transformers' modeling and the model (the stage's
+        # module leaves them to this thread) with the cyclic collector paused (actors/gc_pause.py).
+        with gc_paused():
+            import torch
 
-        if self._torch_threads:
-            torch.set_num_threads(self._torch_threads)
-        logger.debug("engine feed thread started (%d torch threads)", torch.get_num_threads())
-        if self.engine is None:
-            try:
-                self.engine = self._new_engine()
-            except BaseException as exc:  # noqa: BLE001 (raised in __init__'s thread)
-                self._built.set_exception(exc)
-                return
-            self._built.set_result(None)
+            if self._torch_threads:
+                torch.set_num_threads(self._torch_threads)
+            logger.debug("engine feed thread started (%d torch threads)", torch.get_num_threads())
+            if self.engine is None:
+                try:
+                    self.engine = self._new_engine()
+                except BaseException as exc:  # noqa: BLE001 (raised in __init__'s thread)
+                    self._built.set_exception(exc)
+                    return
+                self._built.set_result(None)
         while True:
             # Block only when the engine has nothing to do; otherwise take what has arrived.
             block = not self._shards

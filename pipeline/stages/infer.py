@@ -36,7 +36,6 @@ from dataclasses import dataclass, replace
 import pyarrow as pa
 
 from actors.config import EngineConfig, SamplingParams
-from actors.gc_pause import gc_paused
 from actors.loader import ResolvedModel
 from actors.outputs import RequestOutput
 from actors.parallel.errors import WorkerFailedError
@@ -117,15 +116,14 @@ class InferStage(Stage):
         return self.feed.engine
 
     def _new_engine(self):  # noqa: ANN202 (actors.LLMEngine)
-        started = time.perf_counter()
-        with gc_paused():  # torch, transformers' modeling and the model (actors/gc_pause.py)
-            import torch
+        import torch
 
-            from actors import LLMEngine
+        from actors import LLMEngine
 
-            engine = LLMEngine(
-                self.engine_config, tokenizer=self.tokenizer, resolved_model=self.resolved_model
-            )
+        started = time.perf_counter()  # the feed's thread, the collector paused (feed.py)
+        engine = LLMEngine(
+            self.engine_config, tokenizer=self.tokenizer, resolved_model=self.resolved_model
+        )
         logger.info(
             "engine for %s loaded in %.1fs (%d torch threads)",
             self.engine_config.model,
