@@ -4,12 +4,9 @@ and the engine stage's module light enough that those imports happen inside the 
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 from actors.gc_pause import gc_paused
+from tests.fresh_python import run_python
 
 
 def test_the_collector_is_off_inside_and_as_it_was_after() -> None:
@@ -42,14 +39,6 @@ def test_the_engine_stage_imports_torch_only_when_it_builds_its_engine() -> None
         "import pipeline.job.run\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
-    root = Path(__file__).parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(root)},
-        cwd=root,
-    )
+    done = run_python(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]", done.stdout

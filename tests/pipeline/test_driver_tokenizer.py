@@ -8,10 +8,7 @@ built in process from the arguments the job gives its actors, after a pickle rou
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +21,7 @@ from pipeline.job.run import job_processor, prepare
 from pipeline.stages import stage
 from pipeline.stages.infer import InferStage
 from pipeline.stages.tokenize import TokenizeStage
+from tests.fresh_python import run_python
 
 
 def _config(tiny_model_dir: Path, tmp_path: Path, prompt: PromptConfig) -> JobConfig:
@@ -111,14 +109,6 @@ def test_a_tokenizer_actor_never_imports_torch(tiny_model_dir: Path, tmp_path: P
         "assert rows[0]['prompt_token_ids'], rows\n"
         "print('torch' in sys.modules)\n"
     )
-    root = Path(__file__).parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(root)},
-        cwd=root,
-    )
+    done = run_python(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "False", done.stdout
