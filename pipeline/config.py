@@ -225,6 +225,7 @@ class PlanConfig:
 
 
 DEFAULT_CPUS_PER_ACTOR = 0.5  # an engine actor's CPUs for Ray's scheduling, when not set
+AUTO_ACTORS = "auto"  # `num_actors` counted per job (pipeline/job/engine_count.py)
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ class ComputeConfig:
     engine (new workers) up to `engine_retries` times; after that the job fails with the cause.
     """
 
-    num_actors: int | str = "auto"
+    num_actors: int | str = AUTO_ACTORS
     num_gpus_per_actor: float | None = None
     num_cpus_per_actor: float | None = None
     resources: tuple[tuple[str, float], ...] = ()
@@ -269,7 +270,7 @@ class ComputeConfig:
     allocator: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.num_actors != "auto" and (
+        if self.num_actors != AUTO_ACTORS and (
             not isinstance(self.num_actors, int) or self.num_actors < 1
         ):
             raise ValueError(

@@ -22,6 +22,7 @@ from pipeline.commands.console import ConsoleOptions
 from pipeline.commands.guided_flags import add_guided_args, guided_from_args
 from pipeline.commands.shutdown import RayShutdown
 from pipeline.config import (
+    AUTO_ACTORS,
     ComputeConfig,
     FilesConfig,
     InputConfig,
@@ -449,7 +450,7 @@ def _resource(text: str) -> tuple[str, float]:
 
 def _actor_count(text: str) -> int | str:
     """`--num-actors`: a count >= 1 or auto (argparse names the flag when this fails)."""
-    if text == "auto":
+    if text == AUTO_ACTORS:
         return text
     try:
         count = int(text)

@@ -21,9 +21,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipeline.config import DEFAULT_CPUS_PER_ACTOR, JobConfig
+from pipeline.config import AUTO_ACTORS, DEFAULT_CPUS_PER_ACTOR, JobConfig
 
-AUTO = "auto"
 ROWS_PER_ENGINE = 256  # sequences per engine at least (one engine below that)
 MEMORY_SHARE = 0.5  # of a node's memory, for its engines' weights and KV caches
 RUNTIME_BYTES = 2**30  # an engine process beside its weights and KV cache (torch, Python)
@@ -122,7 +121,7 @@ def resolve_engines(
     compute = config.compute
     reason = None
     count = compute.num_actors
-    if count == AUTO:
+    if count == AUTO_ACTORS:
         if gpus or config.engine.world_size > 1 or compute.resources:
             count, reason = 1, "one engine for GPU, tensor/pipeline-parallel or custom resources"
         else:

@@ -28,7 +28,7 @@ from actors.architectures import UnsupportedModelError
 from actors.dtypes import choose_dtype, cpu_info
 from actors.loader import ResolvedModel, resolve_model
 from actors.parallel import placement
-from pipeline.config import OUTPUT_ID, JobConfig
+from pipeline.config import AUTO_ACTORS, OUTPUT_ID, JobConfig
 from pipeline.io import lineage, storage
 from pipeline.io.output import OutputFolder, check_output
 from pipeline.io.read import (
@@ -185,7 +185,7 @@ def processor_config(config: JobConfig, prepared: PreparedJob) -> ProcessorConfi
     its prompt, engine, sampling, text column, engine actors, compute options (torch
     threads, engine retries, restarts) and plan, with the partition count `prepare` chose;
     engine actors still "auto" are counted here (`resolved_engines`)."""
-    if config.compute.num_actors == "auto":
+    if config.compute.num_actors == AUTO_ACTORS:
         config = resolved_engines(config, prepared)
     return ProcessorConfig.of_prompt(
         config.prompt,
