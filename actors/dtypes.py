@@ -93,7 +93,7 @@ def resolve_dtype(requested: str, device: str, cpu: CpuInfo | None = None) -> to
         )
     else:
         logger.info("dtype %s (%s)", name, reason)
-    import torch  # here: the job's driver chooses the dtype without torch (3 CPU-s to import)
+    import torch  # here: `choose_dtype` and `cpu_info` (the job's driver) need no torch
 
     dtype: torch.dtype = getattr(torch, name)
     return dtype

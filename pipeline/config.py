@@ -309,8 +309,8 @@ class FilesConfig:
     about `max_bytes_per_file` bytes, whichever comes first: Ray Data's own defaults for its
     file writes are of this order (128 MiB blocks, `max_rows_per_file`). Each of `num_writers`
     writer actors (None: one per 8 engine actors, `pipeline.io.writer.default_num_writers`)
-    keeps one file open, so a job ends with about
-    rows / max_rows_per_file files plus one per writer.
+    keeps one file open, so a job ends with about rows / max_rows_per_file files plus one per
+    writer.
     """
 
     max_rows_per_file: int = 1_000_000

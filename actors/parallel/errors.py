@@ -1,6 +1,7 @@
 """The parallel engine's failure, in a module of its own: the job's engine stage and feed
-catch it without importing the executor (torch and the workers' modules, 3 CPU-s in the job's
-driver, which builds the stage but never runs it)."""
+catch it without importing the executor (torch and the workers' modules), so an engine actor
+imports torch only as its feed builds the engine, with the collector paused
+(actors/gc_pause.py)."""
 
 from __future__ import annotations
 
