@@ -41,6 +41,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from actors.gc_pause import freeze_heap  # noqa: E402
 from benchmarks.cpu_share import CpuSampler  # noqa: E402
 from benchmarks.step_log import read_step_logs, step_recording_stage  # noqa: E402
 from pipeline.commands.shutdown import RayShutdown  # noqa: E402
@@ -100,6 +101,7 @@ def engine_alone(
     torch.set_num_threads(threads)
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig(dtype=dtype))
+    freeze_heap()  # as the job's engine actors do
     prompts = [prompt_ids(engine.tokenizer, m) for _, m in rows]
     engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up (kernel, allocator)
     warm = engine.stats
@@ -119,6 +121,7 @@ def engine_alone(
         "cpu_cores": sampler.cores_between(loaded, ended) if sampler else {},
     }
     del engine
+    gc.unfreeze()
     gc.collect()
     return result
 

@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/bench_peers.py` from 
 
 from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from actors.allocator import ALLOCATORS, preload_env  # noqa: E402
+from actors.gc_pause import freeze_heap  # noqa: E402
 from actors.loader import ensure_embedded_converted, load_tokenizer  # noqa: E402
 from benchmarks._bench_common import emit, log, machine  # noqa: E402
 from benchmarks.bench_job import alpaca_messages, prompt_ids  # noqa: E402
@@ -143,6 +144,7 @@ def run_engine(
     started = time.perf_counter()
     config = EngineConfig(dtype=args.dtype, **options)
     engine = LLMEngine(config)
+    freeze_heap()  # as the job's engine actors and Serve's replicas do (and vLLM's engine core)
     loaded = time.perf_counter()
     params = SamplingParams(max_tokens=args.max_tokens)
     engine.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up (kernel, allocator)
@@ -156,6 +158,7 @@ def run_engine(
     screened = getattr(engine.runner, "screened_head", None)
     screen = None if screened is None else screened.stats.summary()  # warm-up + all calls
     del engine
+    gc.unfreeze()
     gc.collect()
     run = {"load_s": loaded - started, "seconds": seconds, "outputs": outputs}
     return run if screen is None else {**run, "lm_head_screen": screen}

@@ -16,7 +16,7 @@ import socket
 import time
 
 from actors.config import EngineConfig
-from actors.gc_pause import gc_paused
+from actors.gc_pause import freeze_heap, gc_paused
 
 # Ray imports this module as the worker's class arrives: its start (actors/gc_pause.py).
 with gc_paused():
@@ -71,9 +71,10 @@ class StageWorker:
 
     def load(self, dtype: str) -> tuple[int, int]:
         """Build the stage and its KV tensors; returns its layer range."""
-        self.stage, shape, (start, stop) = build_stage(
-            self.config, getattr(torch, dtype), self.device, self.stage_index, self.tp_rank
-        )
+        with gc_paused():  # the worker's start (actors/gc_pause.py)
+            self.stage, shape, (start, stop) = build_stage(
+                self.config, getattr(torch, dtype), self.device, self.stage_index, self.tp_rank
+            )
         owned = allocate_kv_tensors(
             stop - start,
             self.num_blocks,
@@ -92,6 +93,7 @@ class StageWorker:
             self.config.shared_prefix_attention,
             self.config.shared_prefix_min_keys,
         )
+        freeze_heap()  # the worker keeps this heap for its life
         return start, stop
 
     def node_id(self) -> str:

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from actors.gc_pause import gc_paused
+from actors.gc_pause import call_paused, freeze_heap, gc_paused
 
 # A replica (and `raypack serve`) imports this module first: torch (through the service's
 # requests), FastAPI and Ray Serve with the cyclic collector paused (actors/gc_pause.py:
@@ -196,7 +196,8 @@ class OpenAIDeployment:
         self._config = config
         # builds the engine, then steps it (EngineLoop), on the fitted torch threads (fit.py)
         self._step_thread = step_thread(config.torch_threads)
-        self._engine = self._step_thread.submit(LLMEngine, config.engine).result()
+        self._engine = self._step_thread.submit(call_paused, LLMEngine, config.engine).result()
+        freeze_heap()  # the replica keeps this heap for its life (actors/gc_pause.py)
         self._api_keys = load_api_keys(config.api_keys_env, config.api_keys_file)
         self._metrics = ServeMetrics()
         self._admission = config.admission

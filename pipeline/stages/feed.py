@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.config import SamplingParams
-from actors.gc_pause import gc_paused
+from actors.gc_pause import freeze_heap, gc_paused
 from actors.outputs import RequestOutput
 from actors.parallel.errors import WorkerFailedError
 
@@ -142,6 +142,7 @@ class EngineFeed:
                 except BaseException as exc:  # noqa: BLE001 (raised in __init__'s thread)
                     self._built.set_exception(exc)
                     return
+                freeze_heap()  # the actor keeps this heap for its life (actors/gc_pause.py)
                 self._built.set_result(None)
         while True:
             # Block only when the engine has nothing to do; otherwise take what has arrived.
@@ -232,6 +233,7 @@ class EngineFeed:
             for shard in redo:
                 shard.future.set_exception(build_exc)
             return
+        freeze_heap()  # thaws first: the failed engine's cycles are collected
         for shard in redo:
             self._admit(shard)
 
