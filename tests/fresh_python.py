@@ -11,13 +11,19 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 
 
-def run_python(script: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run `script` (`python -c`) from the repository's root; its output as text."""
+def run_python(
+    script: str, timeout: float = 120, *, input: str | None = None, text: bool = True
+) -> subprocess.CompletedProcess:
+    """Run `script` (`python -c`) from the repository's root with `input` on its stdin; its
+    output as text (or bytes, `text=False`: a `\r` kept as it is). Without the test's
+    `RAY_ADDRESS`: a command it runs starts (or refuses) its own Ray, as a user's would."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return subprocess.run(
         [sys.executable, "-c", script],
+        input=input,
         capture_output=True,
-        text=True,
+        text=text,
         timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**env, "PYTHONPATH": str(ROOT)},
         cwd=ROOT,
     )

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +18,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from actors import EngineConfig, LLMEngine, SamplingParams
 from actors.architectures import REFUSED_FEATURES, UnsupportedModelError, causal_lm_class
 from actors.loader import checked_config
+from tests.fresh_python import run_python
 from tests.model_matrix import matrix_config, matrix_model
 
-ROOT = Path(__file__).parents[2]
 TINY = dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, vocab_size=256)
 
 
@@ -194,16 +191,7 @@ print(json.dumps(out))
 
 def _run_commands(runs: list[tuple[str, list[str]]]) -> list[tuple[int, bool, str]]:
     """Each (command, argv)'s exit status, whether Ray had started, and its stderr."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run(
-        [sys.executable, "-c", COMMANDS_SCRIPT],
-        cwd=ROOT,
-        env={**env, "PYTHONPATH": str(ROOT)},
-        input=json.dumps(runs),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_python(COMMANDS_SCRIPT, input=json.dumps(runs))
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     stderrs = done.stderr.split("=== ")[1:]

@@ -6,13 +6,10 @@ after importing the job's modules and torch (~3 s of CPU each on the 2-core box)
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).parents[2]
+from tests.fresh_python import run_python
+
 SCRIPT = """
 import contextlib, io, json, sys
 import ray
@@ -36,16 +33,7 @@ class Refusal:
 
 def refusals(argvs: list[list[str]]) -> tuple[list[Refusal], str]:
     """Each argv's run, and the process's own stderr (log lines, Ray's messages)."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        cwd=ROOT,
-        env={**env, "PYTHONPATH": str(ROOT)},
-        input=json.dumps(argvs),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_python(SCRIPT, input=json.dumps(argvs))
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(done.stdout.strip().splitlines()[-1])
     return [Refusal(*run) for run in runs], done.stderr

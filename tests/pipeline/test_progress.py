@@ -7,8 +7,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +15,9 @@ from pipeline.commands import generate, snippets
 from pipeline.commands.console import HARMLESS_STDERR
 from pipeline.commands.help_groups import COMMON_TITLE
 from pipeline.job.progress import Counts, Progress, ProgressBoard, ProgressDisplay, ProgressReporter
+from tests.fresh_python import run_python
 from tests.pipeline.data import MALFORMED, TEMPLATE, rows
-from tests.pipeline.test_commands import ROOT, raypack
+from tests.pipeline.test_commands import raypack
 from tests.pipeline.test_job import read_output
 
 # A line a clean run must not print: a log record at WARNING or above, a Python warning, a
@@ -191,12 +190,7 @@ def test_filter_stderr_drops_only_the_harmless_lines() -> None:
         "    os.write(2, b'[2026 E 1 1] core_worker.cc:9: something else\\n')\n"
         "print('after', file=sys.stderr)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    done = run_python(script, timeout=60, text=False)
     assert done.returncode == 0, done.stderr
     assert done.stderr == b"one\nbar\rtwo\n[2026 E 1 1] core_worker.cc:9: something else\nafter\n"
 
@@ -278,12 +272,6 @@ worker.print_to_stdstream({"pid": "raylet", "is_err": False, "lines": [warning, 
 worker.print_to_stdstream({"pid": "raylet", "is_err": False, "lines": [warning],
                            "ip": "192.0.2.2", "localhost": "192.0.2.2"}, ignore_prefix=True)
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    done = run_python(script)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "kept\n"
