@@ -16,9 +16,10 @@ def run_python(
 ) -> subprocess.CompletedProcess:
     """Run `script` (`python -c`) from the repository's root with `input` on its stdin; its
     output as text (or bytes, `text=False`: a `\r` kept as it is). Without the test's
-    `RAY_ADDRESS`: a command it runs starts (or refuses) its own Ray, as a user's would."""
+    `RAY_ADDRESS`: a command it runs starts (or refuses) its own Ray, as a user's would. The
+    script must exit 0 (the assertion shows its stderr's end)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-c", script],
         input=input,
         capture_output=True,
@@ -27,3 +28,5 @@ def run_python(
         env={**env, "PYTHONPATH": str(ROOT)},
         cwd=ROOT,
     )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done

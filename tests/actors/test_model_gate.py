@@ -192,7 +192,6 @@ print(json.dumps(out))
 def _run_commands(runs: list[tuple[str, list[str]]]) -> list[tuple[int, bool, str]]:
     """Each (command, argv)'s exit status, whether Ray had started, and its stderr."""
     done = run_python(COMMANDS_SCRIPT, input=json.dumps(runs))
-    assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     stderrs = done.stderr.split("=== ")[1:]
     assert [e.split("\n", 1)[0] for e in stderrs] == [name for name, _ in runs], done.stderr

@@ -34,6 +34,5 @@ class Refusal:
 def refusals(argvs: list[list[str]]) -> tuple[list[Refusal], str]:
     """Each argv's run, and the process's own stderr (log lines, Ray's messages)."""
     done = run_python(SCRIPT, input=json.dumps(argvs))
-    assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(done.stdout.strip().splitlines()[-1])
     return [Refusal(*run) for run in runs], done.stderr

@@ -110,5 +110,4 @@ def test_a_tokenizer_actor_never_imports_torch(tiny_model_dir: Path, tmp_path: P
         "print('torch' in sys.modules)\n"
     )
     done = run_python(script)
-    assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "False", done.stdout
