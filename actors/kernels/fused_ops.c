@@ -175,10 +175,25 @@ int raypack_rotary_bf16(uint16_t *qk, int64_t row_stride, int64_t tokens, int64_
     return 0;
 }
 
+/* A bf16's bits as a signed 16-bit key whose integer order is the floats' order (negative
+ * values' magnitude bits flipped; -0 keyed as +0, so the two compare equal as floats do).
+ * NaNs are found apart (`is_nan_bits`). Integer keys let the compiler vectorize the block
+ * maxima below without -ffast-math. */
+static inline int16_t order_key(uint16_t bits) {
+    if (bits == 0x8000u) bits = 0;
+    return (int16_t)((bits & 0x8000u) ? bits ^ 0x7FFFu : bits);
+}
+
+static inline int is_nan_bits(uint16_t bits) { return (bits & 0x7FFFu) > 0x7F80u; }
+
+#define ARGMAX_BLOCK 256
+
 /* The index of each row's largest value, as torch's argmax over the rows widened to float32
  * (exact: a bf16 is a float32's top half): the first largest, or the first NaN if any. logits
  * is [rows, cols], rows `row_stride` elements apart; out is [rows] int64. Reading the bf16
- * rows once replaces widening them to a float32 copy and reading that. */
+ * rows once replaces widening them to a float32 copy and reading that. Each block's largest
+ * key and NaN flag come from one vectorized pass; only a block whose maximum beats the best
+ * so far (or that holds a NaN) is read again, for its first such index. */
 int raypack_argmax_bf16(const uint16_t *logits, int64_t rows, int64_t cols, int64_t row_stride,
                         int64_t *out, int64_t num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
@@ -186,19 +201,30 @@ int raypack_argmax_bf16(const uint16_t *logits, int64_t rows, int64_t cols, int6
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t *row = logits + r * row_stride;
         int64_t best = 0;
-        float best_value = widen(row[0]);
-        if (best_value == best_value)
-            for (int64_t j = 1; j < cols; ++j) {
-                const float v = widen(row[j]);
-                if (v != v) { /* NaN: torch's argmax takes the first one */
-                    best = j;
-                    break;
-                }
-                if (v > best_value) {
-                    best_value = v;
-                    best = j;
-                }
+        int16_t best_key = order_key(row[0]);
+        for (int64_t start = 0; start < cols; start += ARGMAX_BLOCK) {
+            const int64_t n = cols - start < ARGMAX_BLOCK ? cols - start : ARGMAX_BLOCK;
+            const uint16_t *block = row + start;
+            int16_t top = INT16_MIN;
+            int nan = 0;
+            for (int64_t j = 0; j < n; ++j) {
+                const int16_t key = order_key(block[j]);
+                top = key > top ? key : top;
+                nan |= is_nan_bits(block[j]);
             }
+            if (nan) { /* torch's argmax takes the first NaN */
+                int64_t j = 0;
+                while (!is_nan_bits(block[j])) ++j;
+                best = start + j;
+                break;
+            }
+            if (top > best_key) { /* strictly: an equal value later is not the first */
+                int64_t j = 0;
+                while (order_key(block[j]) != top) ++j;
+                best = start + j;
+                best_key = top;
+            }
+        }
         out[r] = best;
     }
     return 0;
