@@ -214,6 +214,7 @@ def run_one_job(
             # each stage from its first task's start to its last task's end (they overlap:
             # writes stream as shards finish; the engine actor loads while rows are read)
             **{k: round(end - start, 2) for k, (start, end) in spans.items()},
+            "first_step_after_call": round(first_step - ray_up, 2),
             "plan_done_to_first_step": round(first_step - spans["plan"][1], 2),
             "engine_steps_span": round(last_step - first_step, 2),
             "engine_step_s": round(step_s, 2),
@@ -235,6 +236,8 @@ def run_one_job(
         "outputs": dict(zip(ids, out["generated_token_ids"].to_pylist(), strict=True)),
         "prompt_tokens": dict(zip(ids, out["num_prompt_tokens"].to_pylist(), strict=True)),
         "cpu_cores": sampler.cores_between(first_step, last_step) if sampler else {},
+        # the cores each process held from run_job's call to the first engine step
+        "cpu_cores_start": sampler.cores_between(ray_up, first_step) if sampler else {},
     }
 
 
@@ -397,6 +400,9 @@ def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[str, lis
             "generated_tokens": sum(len(v) for v in last["outputs"].values()),
             # the cores each process held while the engine stepped (--cpu-shares)
             "cpu_cores_during_steps": last["cpu_cores"],
+            # and from run_job's call to the first step (on a running Ray)
+            "cpu_cores_before_first_step": last["cpu_cores_start"],
+            "first_step_after_s": last["breakdown_s"]["first_step_after_call"],
         }
         if alone_runs:
             pairs = list(zip(alone_runs, runs, strict=True))
