@@ -10,7 +10,7 @@ import torch
 from actors import SamplingParams, cpu_linear
 from actors.agreement import teacher_forced
 from actors.dtypes import CpuInfo
-from actors.screened_head import MAX_CANDIDATES, ScreenedHead, wanted
+from actors.screened_head import MAX_CANDIDATES, ScreenedHead, row_norm_maxima, wanted
 from tests.actors.reference import assert_greedy_match, hf_greedy
 from tests.tiny_models import tiny_model
 
@@ -47,6 +47,19 @@ def test_the_bound_holds_for_every_token(scale) -> None:
         assert bool((err <= bound).all())
     # and not vacuous: its largest value within 10x of the largest error (~4x measured)
     assert float(bound.max() / (y64 - head(hidden).double()).abs().max()) < 10
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("chunk_rows", [7, 4096, 10_000])
+def test_the_heads_norms_by_chunks_are_the_whole_heads(chunk_rows) -> None:
+    weight = _head().weight.detach()  # 6,000 rows: chunks of 7 and 4,096 leave a remainder
+    weight[5999] *= 50  # the largest rows in the last chunk
+    w_b = weight.to(torch.bfloat16)
+    w64, wb64 = weight.double(), w_b.double()
+    whole = (wb64.norm(dim=1).max(), (wb64 - w64).norm(dim=1).max(), w64.norm(dim=1).max())
+    got = row_norm_maxima(weight, w_b, chunk_rows)
+    assert got == pytest.approx([float(v) for v in whole], rel=1e-12)
+    assert got[0] > 50 * float(wb64[:5999].norm(dim=1).max()) / 2
 
 
 @torch.inference_mode()
