@@ -180,22 +180,62 @@ def _read_output(out: str) -> dict[str, dict]:
     return got
 
 
-def _wait_for_other_jobs_actors_to_die(timeout: float = 60) -> None:
-    """Wait until no actor of another Ray job is alive: a SIGKILLed driver's actors (its file
-    writers among them) die when Ray notices, seconds later under load, and until then they
-    can still write files. Ray's public state API needs the dashboard, which the test cluster
-    runs without, so this asks the GCS through `ray._private.state` (Ray's debugging call)."""
+def _job_ids() -> set[str]:
+    """The Ray jobs that have had actors on the test cluster so far."""
+    from ray._private import state
+
+    return {a["JobID"] for a in state.actors().values()}
+
+
+def _wait_for_other_jobs_actors_to_die(before: set[str], timeout: float = 60) -> None:
+    """Wait until no actor of a Ray job newer than `before` (other than ours) is alive, nor
+    its process: a SIGKILLed driver's actors (its file writers among them) die when Ray
+    notices, seconds later under load, and until then they can still write files. The GCS
+    marks an actor DEAD before its process has exited (CI, 2026-11-27: a file appeared after
+    the count, 7 rows resumed against 4 counted), so the processes are waited for too (the
+    cluster is local: the same machine; an older job's process id may be another process's
+    by now, so only the new jobs' count). Ray's public state API needs the dashboard, which
+    the test cluster runs without, so this asks the GCS through `ray._private.state` (Ray's
+    debugging call)."""
+    import psutil
     import ray
     from ray._private import state
 
     ours = ray.get_runtime_context().get_job_id()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = state.actors(actor_state_name="ALIVE").values()
-        if all(actor["JobID"] == ours for actor in alive):
+        others = [
+            a
+            for a in state.actors().values()
+            if a["JobID"] not in {ours, *before} and not a["IsDetached"]  # Ray Data's own live on
+        ]
+        alive = [a for a in others if a["State"] == "ALIVE"]
+        running = [a["Pid"] for a in others if a["Pid"] and _running(psutil, a["Pid"])]
+        if not alive and not running:
             return
         time.sleep(0.2)
     raise AssertionError(f"the killed job's actors still alive after {timeout} s")
+
+
+def _running(psutil, pid: int) -> bool:  # noqa: ANN001 (the psutil module)
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _settled_rows(out: str, timeout: float = 30) -> int:
+    """The rows in complete files, once two counts a second apart agree (a file whose upload
+    the server was still finishing shows up in the second)."""
+    deadline = time.monotonic() + timeout
+    last = _complete_rows(out)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = _complete_rows(out)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"the rows on S3 still changing after {timeout} s: {last}")
 
 
 def _complete_rows(out: str) -> int:
@@ -232,6 +272,7 @@ def test_s3_job_killed_and_resumed(ray_cluster, prompt_table, tiny_model_dir, s3
     # rerun takes shards of the default size: the ids written, not the shards, say what is left.
     small = [*args, "--max-rows-per-shard", "2"]
 
+    before = _job_ids()
     killed = _driver(s3, ray_cluster, small, tmp_path / "killed.log")
     deadline = time.monotonic() + 200
     while not data_files(out) and killed.poll() is None and time.monotonic() < deadline:
@@ -239,8 +280,8 @@ def test_s3_job_killed_and_resumed(ray_cluster, prompt_table, tiny_model_dir, s3
     assert killed.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    _wait_for_other_jobs_actors_to_die()  # or a writer may still add a file
-    written = _complete_rows(out)
+    _wait_for_other_jobs_actors_to_die(before)  # or a writer may still add a file
+    written = _settled_rows(out)
     assert 0 < written < len(rows()), written
 
     resumed = _finish(
