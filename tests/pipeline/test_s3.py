@@ -190,11 +190,12 @@ def _job_ids() -> set[str]:
 def _wait_for_other_jobs_actors_to_die(before: set[str], timeout: float = 60) -> None:
     """Wait until no actor of a Ray job newer than `before` (other than ours) is alive, nor
     its process: a SIGKILLed driver's actors (its file writers among them) die when Ray
-    notices, seconds later under load, and until then they can still write files. The GCS
-    marks an actor DEAD before its process has exited (CI, 2026-11-27: a file appeared after
-    the count, 7 rows resumed against 4 counted), so the processes are waited for too (the
-    cluster is local: the same machine; an older job's process id may be another process's
-    by now, so only the new jobs' count). Ray's public state API needs the dashboard, which
+    notices, seconds later under load, and until then they can still write files. An actor
+    DEAD in the GCS may still have its process running, killed after it was marked (CI,
+    2026-11-27: 7 rows resumed against 4 counted, a file that came after the count), so the
+    processes are waited for too, and the count is taken once it holds (the cluster is local:
+    the same machine; an older job's process id may be another process's by now, so only
+    the new jobs' count). Ray's public state API needs the dashboard, which
     the test cluster runs without, so this asks the GCS through `ray._private.state` (Ray's
     debugging call)."""
     import psutil
