@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -193,12 +194,10 @@ def _wait_for_other_jobs_actors_to_die(before: set[str], timeout: float = 60) ->
     notices, seconds later under load, and until then they can still write files. An actor
     DEAD in the GCS may still have its process running, killed after it was marked (CI,
     2026-11-27: 7 rows resumed against 4 counted, a file that came after the count), so the
-    processes are waited for too, and the count is taken once it holds (the cluster is local:
-    the same machine; an older job's process id may be another process's by now, so only
-    the new jobs' count). Ray's public state API needs the dashboard, which
-    the test cluster runs without, so this asks the GCS through `ray._private.state` (Ray's
-    debugging call)."""
-    import psutil
+    processes are waited for too (the cluster is local: the same machine; an older job's
+    process id may be another process's by now, so only the new jobs' count). Ray's public
+    state API needs the dashboard, which the test cluster runs without, so this asks the GCS
+    through `ray._private.state` (Ray's debugging call)."""
     import ray
     from ray._private import state
 
@@ -211,14 +210,15 @@ def _wait_for_other_jobs_actors_to_die(before: set[str], timeout: float = 60) ->
             if a["JobID"] not in {ours, *before} and not a["IsDetached"]  # Ray Data's own live on
         ]
         alive = [a for a in others if a["State"] == "ALIVE"]
-        running = [a["Pid"] for a in others if a["Pid"] and _running(psutil, a["Pid"])]
+        running = [a["Pid"] for a in others if a["Pid"] and _running(a["Pid"])]
         if not alive and not running:
             return
         time.sleep(0.2)
     raise AssertionError(f"the killed job's actors still alive after {timeout} s")
 
 
-def _running(psutil, pid: int) -> bool:  # noqa: ANN001 (the psutil module)
+def _running(pid: int) -> bool:
+    """The process is there and not a zombie (a zombie writes nothing)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
