@@ -70,9 +70,11 @@ def test_cut_shards_keeps_groups_whole_and_splits_only_oversized_ones():
     assert shards[1][0].prefix_len == 0  # one row alone shares nothing
 
 
-def test_cut_shards_packs_below_the_row_limit_without_splitting_a_group():
-    """`pack_rows` (a small partition spread over engine actors) closes shards earlier, but a
-    group between it and `max_rows` stays whole: its prefix is still computed once."""
+def test_cut_shards_deals_groups_below_the_row_limit_without_splitting_one():
+    """`pack_rows` (a small partition spread over engine actors): the groups in order are
+    dealt over ceil(rows / pack_rows) shards, each to the one with the fewest rows, so each
+    shard holds a slice of the whole order. A group between `pack_rows` and `max_rows` stays
+    whole: its prefix is still computed once."""
     lens = [10] * 12
     groups = [
         PrefixGroup(5, (0, 1, 2)),
@@ -83,7 +85,16 @@ def test_cut_shards_packs_below_the_row_limit_without_splitting_a_group():
     ]
     shards, split = cut_shards(groups, lens, max_rows=8, max_tokens=1000, pack_rows=3)
     assert split == 0
-    assert shards == [[groups[0]], [groups[1]], [groups[2], groups[3], groups[4]]]
+    assert shards == [[groups[0]], [groups[1]], [groups[2], groups[4]], [groups[3]]]
+    # One-row groups in the plan's order: every other one to each shard, not halves.
+    singles = [PrefixGroup(0, (r,)) for r in range(8)]
+    shards, _ = cut_shards(singles, lens, max_rows=8, max_tokens=1000, pack_rows=4)
+    assert [[g.members[0] for g in s] for s in shards] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # The token limit still holds: a shard with no room left gets nothing more.
+    shards, _ = cut_shards(singles, lens, max_rows=8, max_tokens=20, pack_rows=4)
+    assert all(sum(lens[r] for g in s for r in g.members) <= 20 for s in shards)
+    assert sorted(g.members[0] for s in shards for g in s) == list(range(8))
+    # pack_rows at or over max_rows: cut in order, as without it.
     assert cut_shards(groups, lens, max_rows=8, max_tokens=1000, pack_rows=100) == cut_shards(
         groups, lens, max_rows=8, max_tokens=1000
     )
