@@ -17,7 +17,8 @@ from pipeline.io.report import StatsCollector, summarize, write_report
 from pipeline.stages import stage
 from pipeline.stages.engine_actor import ShardSpread
 from pipeline.stages.infer import InferStage
-from pipeline.stages.plan import PlanStage, cut_shards, plan_partition
+from pipeline.stages.plan import PlanStage, plan_partition
+from pipeline.stages.shard_cut import cut_shards
 from pipeline.stages.tokenize import TokenizeStage
 
 DOC_A = list(range(100, 180))  # 80 tokens: more than one 64-token key block
