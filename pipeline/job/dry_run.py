@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -124,6 +124,7 @@ class DryRun:
 
 def dry_run(config: JobConfig, prepared, calibrate: bool = True) -> DryRun:  # noqa: ANN001 (PreparedJob)
     """Read, tokenize and plan the job in this process; calibrate the engine when asked."""
+    from pipeline.job.run import job_processor
     from pipeline.stages.plan import plan_partition
     from pipeline.stages.prompts import RowIdStage
     from pipeline.stages.tokenize import TokenizeStage
@@ -143,7 +144,11 @@ def dry_run(config: JobConfig, prepared, calibrate: bool = True) -> DryRun:  # n
         trust_remote_code=config.engine.trust_remote_code,
     )
     tokens = tokenize(ids)
-    shards, stats = plan_partition(tokens, config.plan, config.sampling, ())
+    # The job's shards as it cuts them; here every row is in one partition.
+    _, spread = job_processor(config, prepared).shard_dispatch()
+    if spread is not None:
+        spread = replace(spread, partitions=1)
+    shards, stats = plan_partition(tokens, config.plan, config.sampling, (), spread)
     ok = tokens.filter(pc.is_null(tokens.column(stage.ERROR)))
     prompts = ok.column(stage.PROMPT_TOKEN_IDS).to_pylist()
     calibration = None

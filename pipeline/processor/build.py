@@ -34,7 +34,12 @@ from pipeline.processor.ray_llm import (
 )
 from pipeline.processor.stages import INPUT, IntakeStage, OutflowStage, TokenIdsStage
 from pipeline.stages import dedupe, stage
-from pipeline.stages.engine_actor import default_torch_threads, engine_actor_args, shards_in_flight
+from pipeline.stages.engine_actor import (
+    ShardSpread,
+    default_torch_threads,
+    engine_actor_args,
+    shards_in_flight,
+)
 from pipeline.stages.infer import InferStage
 from pipeline.stages.tokenize import TokenizeStage
 
@@ -106,7 +111,7 @@ class Processor:
             )
         if self.postprocess is not None:
             ds = ds.map(self.postprocess)
-        return ds
+        return _without_reservations(ds)
 
     def _generate(self, ds):  # noqa: ANN001, ANN202 (ray.data.Dataset in and out)
         import ray
@@ -189,6 +194,7 @@ class Processor:
             compute=ray.data.ActorPoolStrategy(size=compute.num_tokenize_actors),
             num_cpus=compute.tokenize_num_cpus,
         )
+        in_flight, spread = self.shard_dispatch()
         if config.plan.prefix_grouping:
             # Hash partitions by prefix key: rows that can share a prefix meet in one
             # partition (Ray's groupby().map_groups() is this repartition plus batch_size=None).
@@ -201,7 +207,7 @@ class Processor:
                 else ds.repartition(partitions, keys=[stage.SHUFFLE_KEY])
             )
         ds = ds.map_batches(
-            _plan_stage(config, carry, collector),
+            _plan_stage(config, carry, collector, spread),
             batch_format="pyarrow",
             batch_size=None,  # a whole partition: its groups are complete
             num_cpus=compute.task_num_cpus,
@@ -210,9 +216,6 @@ class Processor:
         ds = ds.repartition(target_num_rows_per_block=1)
         args = engine_actor_args(compute, placements)
         threads = default_torch_threads(compute, args, config.engine.world_size)
-        actors = config.actor_pool_size[0]
-        share = None if self.rows is None or actors == 1 else math.ceil(self.rows / actors)
-        in_flight = shards_in_flight(config.engine, config.plan, share)
         with warnings.catch_warnings():
             # max_restarts / max_task_retries have no named parameter in map_batches (2.60),
             # and Ray Data's default is to retry forever: a shard that kills its actor every
@@ -250,6 +253,19 @@ class Processor:
                 ),
                 **args,
             )
+
+    def shard_dispatch(self) -> tuple[int, ShardSpread | None]:
+        """Shards one engine actor holds at once (`shards_in_flight`, capped by its share of
+        `rows` when the caller knows them), and how the plan spreads a small partition's
+        shards over several engine actors (`ShardSpread`; None for one actor, or without
+        the shuffle by prefix key, whose partitions are the input's blocks)."""
+        config = self.config
+        low, high = config.actor_pool_size
+        share = None if self.rows is None or low == 1 else math.ceil(self.rows / low)
+        in_flight = shards_in_flight(config.engine, config.plan, share)
+        if high == 1 or not config.plan.prefix_grouping:
+            return in_flight, None
+        return in_flight, ShardSpread(config.num_partitions, high, in_flight)
 
     def retry_errors(self, ds):  # noqa: ANN001, ANN201 (ray.data.Dataset in and out)
         """The processor's `--retry-errors`: `ds` is a dataset this processor returned (its
@@ -452,10 +468,30 @@ def model_facts(
     return context, int(hf.vocab_size)
 
 
-def _plan_stage(config: ProcessorConfig, carry: tuple[str, ...], collector: Any):  # noqa: ANN202
+def _plan_stage(  # noqa: ANN202
+    config: ProcessorConfig, carry: tuple[str, ...], collector: Any, spread: ShardSpread | None
+):
     from pipeline.stages.plan import PlanStage
 
-    return PlanStage(config.plan, config.sampling, carry, collector)
+    return PlanStage(config.plan, config.sampling, carry, collector, spread)
+
+
+def _without_reservations(ds):  # noqa: ANN001, ANN202 (ray.data.Dataset in and out)
+    """`ds` on a DataContext of its own, without Ray Data's per-operator resource reservations.
+
+    With them, the shuffle's second partition waited for the engines: its reduce task's CPU
+    budget was the 0.2 CPU left beside two engine actors, so it ran only once an engine had
+    finished a shard (the processor on 525 rows with two engines: one engine started its
+    first shard at 65 s; docs/benchmarks-job-engine.md). The job turns them off on its own
+    dataset for the same reason (`pipeline/job/run.py`). Here the context would be the
+    user's, shared by every dataset from the same read, so the returned dataset gets a copy
+    (`Dataset.copy(..., _deep_copy=True)`: Ray Data has no public way to give a dataset a
+    context of its own); the user's other datasets keep theirs."""
+    from ray.data import Dataset
+
+    ds = Dataset.copy(ds, _deep_copy=True)
+    ds.context.op_resource_reservation_enabled = False
+    return ds
 
 
 def _check_schema(ds, needed: dict[str, str], outputs: tuple[str, ...]) -> None:  # noqa: ANN001

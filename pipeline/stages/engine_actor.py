@@ -4,6 +4,7 @@ restart policy, torch threads, and how many shards one actor holds at once."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from actors.config import EngineConfig
@@ -34,6 +35,31 @@ def shards_in_flight(
     if rows_per_actor is not None:
         count = min(count, max(1, math.ceil(rows_per_actor / rows)))
     return count
+
+
+@dataclass(frozen=True)
+class ShardSpread:
+    """How one shuffle partition's shards should spread over the engine actors: the plan
+    cuts a small partition into shards small enough that no actor's `in_flight` shards hold
+    more than its share of the rows.
+
+    Ray Data hands an actor up to `in_flight` shards as soon as it is up, counting tasks,
+    not rows. With 256-row shards, 525 rows made three shards (256, 256, 13) and the engine
+    actor up first could take both large ones while the other idled: the processor on 525
+    Alpaca rows with two engine actors took 71 s in one run and 122 s in the next
+    (docs/benchmarks-job-engine.md). The partition's rows times `partitions` over `actors`
+    is the share (hash partitions are about equal; the job knows its rows and caps
+    `in_flight` by the share too, `shards_in_flight`). Large inputs keep the full
+    `max_rows_per_shard`."""
+
+    partitions: int
+    actors: int
+    in_flight: int
+
+    def rows_per_shard(self, partition_rows: int, max_rows: int) -> int:
+        """The rows a shard of this partition may pack, at most `max_rows`."""
+        share = math.ceil(partition_rows * self.partitions / self.actors)
+        return max(1, min(max_rows, math.ceil(share / self.in_flight)))
 
 
 def engine_actor_args(compute: ComputeConfig, placements: Any = None) -> dict:

@@ -36,8 +36,10 @@ from packing import PrefixGroup, SortedSequences
 from pipeline.config import PlanConfig
 from pipeline.stages import dedupe, stage
 from pipeline.stages.dedupe import DEDUPE_KEY
+from pipeline.stages.engine_actor import ShardSpread
 from pipeline.stages.group_columns import ShardGroups, group_columns
 from pipeline.stages.logs import setup_worker_logging
+from pipeline.stages.shard_cut import cut_shards
 from pipeline.stages.stage import Stage
 
 logger = logging.getLogger(__name__)
@@ -114,71 +116,15 @@ def order(
     return [groups[i] for i in order_groups(groups, list(prompt_lens), list(decode_lens))]
 
 
-def group_tokens(group: PrefixGroup, prompt_lens: Sequence[int]) -> int:
-    """Prompt tokens a group computes: its prefix once, then each member's rest."""
-    return sum(prompt_lens[r] for r in group.members) - group.prefix_len * (len(group.members) - 1)
-
-
-def cut_shards(
-    groups: Sequence[PrefixGroup], prompt_lens: Sequence[int], max_rows: int, max_tokens: int
-) -> tuple[list[list[PrefixGroup]], int]:
-    """Shards of whole groups in the given order, each within `max_rows` rows and
-    `max_tokens` prompt tokens; a group over either limit alone is split into parts that each
-    repeat its prefix. Returns the shards and how many groups were split."""
-    shards: list[list[PrefixGroup]] = []
-    current: list[PrefixGroup] = []
-    rows = tokens = 0
-    split = 0
-    for group in groups:
-        parts = [group]
-        if len(group.members) > max_rows or group_tokens(group, prompt_lens) > max_tokens:
-            parts = _split(group, prompt_lens, max_rows, max_tokens)
-            if len(parts) > 1:
-                split += 1
-                logger.info(
-                    "prefix group of %d rows (prefix %d tokens) is over a shard's limit "
-                    "(%d rows, %d tokens): split into %d shards, the prefix computed in each",
-                    len(group.members),
-                    group.prefix_len,
-                    max_rows,
-                    max_tokens,
-                    len(parts),
-                )
-        for part in parts:
-            cost = group_tokens(part, prompt_lens)
-            if current and (rows + len(part.members) > max_rows or tokens + cost > max_tokens):
-                shards.append(current)
-                current, rows, tokens = [], 0, 0
-            current.append(part)
-            rows += len(part.members)
-            tokens += cost
-    if current:
-        shards.append(current)
-    return shards, split
-
-
-def _split(
-    group: PrefixGroup, prompt_lens: Sequence[int], max_rows: int, max_tokens: int
-) -> list[PrefixGroup]:
-    parts: list[PrefixGroup] = []
-    current: list[int] = []
-    tokens = group.prefix_len
-    for r in group.members:
-        rest = prompt_lens[r] - group.prefix_len
-        if current and (len(current) + 1 > max_rows or tokens + rest > max_tokens):
-            parts.append(PrefixGroup(group.prefix_len, tuple(current)))
-            current, tokens = [], group.prefix_len
-        current.append(r)
-        tokens += rest
-    parts.append(PrefixGroup(group.prefix_len, tuple(current)))
-    # A part of one row shares nothing.
-    return [p if len(p.members) > 1 else PrefixGroup(0, p.members) for p in parts]
-
-
 def plan_partition(
-    table: pa.Table, config: PlanConfig, sampling: SamplingParams, keep_columns: Sequence[str]
+    table: pa.Table,
+    config: PlanConfig,
+    sampling: SamplingParams,
+    keep_columns: Sequence[str],
+    spread: ShardSpread | None = None,
 ) -> tuple[pa.Table, PlanStats]:
-    """One shuffle partition of tokenized rows -> one row per shard, and what was planned."""
+    """One shuffle partition of tokenized rows -> one row per shard, and what was planned.
+    With `spread`, a small partition's shards pack fewer rows (`ShardSpread.rows_per_shard`)."""
     stats = PlanStats()
     # Rows are the same when their dedupe key is (pipeline/stages/dedupe.py), else their id.
     key_column = DEDUPE_KEY if DEDUPE_KEY in table.column_names else stage.ID
@@ -213,8 +159,11 @@ def plan_partition(
     groups = [PrefixGroup(g.prefix_len, tuple(valid[r] for r in g.members)) for g in groups]
     if config.prefix_grouping:
         groups = order(groups, lens, decode)
+    pack_rows = None
+    if spread is not None:
+        pack_rows = spread.rows_per_shard(len(valid), config.max_rows_per_shard)
     shards, stats.split_groups = cut_shards(
-        groups, lens, config.max_rows_per_shard, config.max_tokens_per_shard
+        groups, lens, config.max_rows_per_shard, config.max_tokens_per_shard, pack_rows
     )
     # With the ratio order, the shards run last-cut first: the lowest-ratio groups (long
     # prompts, shared by few) enter the engine first, the large shared groups of short prompts
@@ -359,11 +308,13 @@ class PlanStage(Stage):
         sampling: SamplingParams,
         keep_columns: Sequence[str] = (),
         collector=None,  # noqa: ANN001 (ray.actor.ActorHandle of pipeline.io.report.StatsCollector)
+        spread: ShardSpread | None = None,
     ):
         self.config = config
         self.sampling = sampling
         self.keep_columns = tuple(keep_columns)
         self.collector = collector
+        self.spread = spread
 
     def required_columns(self) -> tuple[str, ...]:
         return (
@@ -379,7 +330,9 @@ class PlanStage(Stage):
     def process(self, batch: pa.Table) -> pa.Table:
         setup_worker_logging()
         if self.collector is None or batch.num_rows == 0:
-            shards, stats = plan_partition(batch, self.config, self.sampling, self.keep_columns)
+            shards, stats = plan_partition(
+                batch, self.config, self.sampling, self.keep_columns, self.spread
+            )
         else:
             import ray
 
@@ -391,7 +344,9 @@ class PlanStage(Stage):
             )
             batch, not_first = dedupe.resolve(batch, versions, self.config.on_duplicate)
             batch, dropped = self._drop_ids_claimed_elsewhere(batch, partition)
-            shards, stats = plan_partition(batch, self.config, self.sampling, self.keep_columns)
+            shards, stats = plan_partition(
+                batch, self.config, self.sampling, self.keep_columns, self.spread
+            )
             stats.duplicate_rows += dropped + not_first
             ray.get(self.collector.record_plan.remote(partition, stats))
         logger.info(

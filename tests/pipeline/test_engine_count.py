@@ -130,8 +130,8 @@ def test_the_jobs_dataset_runs_without_ray_datas_reservations(
     ray_cluster, prompt_table, tiny_model_dir, tmp_path
 ) -> None:
     """They held the shuffle's second partition from the plan until the engine had done the
-    first (docs/benchmarks-job-engine.md); the job's own dataset turns them off, the
-    driver's and a user's datasets keep them."""
+    first (docs/benchmarks-job-engine.md); the job's own dataset and the processor's turn
+    them off, the driver's and a user's datasets keep them."""
     import ray.data
 
     from pipeline.job.run import build_dataset, prepare
@@ -143,6 +143,16 @@ def test_the_jobs_dataset_runs_without_ray_datas_reservations(
     assert ds.context.op_resource_reservation_enabled is False
     assert ray.data.DataContext.get_current().op_resource_reservation_enabled is True
     assert user.context.op_resource_reservation_enabled is True
+    # The processor's dataset too, on a context of its own: the user's input keeps theirs.
+    from pipeline import ProcessorConfig, build_processor
+
+    out = build_processor(ProcessorConfig(prompt_column="p", concurrency=2))(
+        user.map(lambda row: {"p": str(row["id"])})
+    )
+    assert out.context.op_resource_reservation_enabled is False
+    assert out.context is not user.context
+    assert user.context.op_resource_reservation_enabled is True
+    assert ray.data.DataContext.get_current().op_resource_reservation_enabled is True
 
 
 def test_one_writer_per_eight_engine_actors_unless_given() -> None:

@@ -16,7 +16,9 @@ from pipeline import ProcessorConfig, build_processor
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig
 from pipeline.io.input_source import InputFile, InputSource
 from pipeline.job.run import PreparedJob, processor_config
+from pipeline.processor.build import Processor
 from pipeline.stages import stage
+from pipeline.stages.engine_actor import ShardSpread
 from pipeline.stages.infer import LOGPROBS_TYPE, InferStage
 from pipeline.stages.plan import plan_partition
 from tests.pipeline.test_plan_infer import tokenized
@@ -69,6 +71,22 @@ def test_the_processor_refuses_what_only_the_job_provides_before_any_work():
         build_processor(ProcessorConfig(prompt_template="{id}: {q}"))(None)
     assert ProcessorConfig(prompt_column="p").num_partitions == 1
     assert ProcessorConfig(prompt_column="p", concurrency=3).num_partitions == 3
+
+
+def test_the_plan_spreads_small_partitions_only_over_several_engine_actors():
+    """`Processor.shard_dispatch`: what the plan stage and the engine pool get."""
+    config = ProcessorConfig(prompt_column="p", concurrency=2)
+    assert build_processor(config).shard_dispatch() == (3, ShardSpread(2, 2, 3))
+    # The job knows its rows: each actor's shards in flight capped by its share.
+    assert Processor(config, rows=525).shard_dispatch() == (2, ShardSpread(2, 2, 2))
+    autoscaling = ProcessorConfig(prompt_column="p", concurrency=(1, 4))
+    assert build_processor(autoscaling).shard_dispatch() == (3, ShardSpread(4, 4, 3))
+    one = ProcessorConfig(prompt_column="p")
+    assert build_processor(one).shard_dispatch() == (3, None)
+    ungrouped = ProcessorConfig(
+        prompt_column="p", concurrency=2, plan=PlanConfig(prefix_grouping=False)
+    )
+    assert build_processor(ungrouped).shard_dispatch() == (3, None)
 
 
 class _LogprobEngine:

@@ -15,8 +15,10 @@ from packing import PrefixGroup
 from pipeline.config import PlanConfig, PromptConfig
 from pipeline.io.report import StatsCollector, summarize, write_report
 from pipeline.stages import stage
+from pipeline.stages.engine_actor import ShardSpread
 from pipeline.stages.infer import InferStage
-from pipeline.stages.plan import PlanStage, cut_shards, plan_partition
+from pipeline.stages.plan import PlanStage, plan_partition
+from pipeline.stages.shard_cut import cut_shards
 from pipeline.stages.tokenize import TokenizeStage
 
 DOC_A = list(range(100, 180))  # 80 tokens: more than one 64-token key block
@@ -67,6 +69,57 @@ def test_cut_shards_keeps_groups_whole_and_splits_only_oversized_ones():
     shards, split = cut_shards([PrefixGroup(8, (0, 1, 2, 3))], lens, max_rows=10, max_tokens=14)
     assert split == 1 and [len(s[0].members) for s in shards] == [3, 1]
     assert shards[1][0].prefix_len == 0  # one row alone shares nothing
+
+
+def test_cut_shards_deals_groups_below_the_row_limit_without_splitting_one():
+    """`pack_rows` (a small partition spread over engine actors): the groups in order are
+    dealt over ceil(rows / pack_rows) shards, each to the one with the fewest rows, so each
+    shard holds a slice of the whole order. A group between `pack_rows` and `max_rows` stays
+    whole: its prefix is still computed once."""
+    lens = [10] * 12
+    groups = [
+        PrefixGroup(5, (0, 1, 2)),
+        PrefixGroup(4, tuple(range(3, 9))),
+        PrefixGroup(0, (9,)),
+        PrefixGroup(0, (10,)),
+        PrefixGroup(0, (11,)),
+    ]
+    shards, split = cut_shards(groups, lens, max_rows=8, max_tokens=1000, pack_rows=3)
+    assert split == 0
+    assert shards == [[groups[0]], [groups[1]], [groups[2], groups[4]], [groups[3]]]
+    # One-row groups in the plan's order: every other one to each shard, not halves.
+    singles = [PrefixGroup(0, (r,)) for r in range(8)]
+    shards, _ = cut_shards(singles, lens, max_rows=8, max_tokens=1000, pack_rows=4)
+    assert [[g.members[0] for g in s] for s in shards] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # The token limit still holds: a shard with no room left gets nothing more.
+    shards, _ = cut_shards(singles, lens, max_rows=8, max_tokens=20, pack_rows=4)
+    assert all(sum(lens[r] for g in s for r in g.members) <= 20 for s in shards)
+    assert sorted(g.members[0] for s in shards for g in s) == list(range(8))
+    # pack_rows at or over max_rows: cut in order, as without it.
+    assert cut_shards(groups, lens, max_rows=8, max_tokens=1000, pack_rows=100) == cut_shards(
+        groups, lens, max_rows=8, max_tokens=1000
+    )
+
+
+def test_a_small_partition_spreads_over_the_engine_actors():
+    """525 rows, two engine actors: 256-row shards made 256 + 256 + 13 and the actor up first
+    could take both large ones. Spread, each actor's `in_flight` shards hold about its share,
+    and every row is planned once."""
+    rows = [(f"r{i}", [7, i % 50, i], None) for i in range(525)]
+    spread = ShardSpread(partitions=1, actors=2, in_flight=2)
+    assert spread.rows_per_shard(525, 256) == 132
+    shards, stats = plan_partition(tokenized(rows), PlanConfig(), SamplingParams(), [], spread)
+    sizes = [len(ids) for ids in shards.column(stage.ID).to_pylist()]
+    assert max(sizes) <= 132 and sum(sizes) == 525 == stats.rows
+    assert len(sizes) == 4
+    assert sorted(i for ids in shards.column(stage.ID).to_pylist() for i in ids) == sorted(
+        r[0] for r in rows
+    )
+    # Two hash partitions of ~262 rows each over the same two actors: the same share.
+    assert ShardSpread(partitions=2, actors=2, in_flight=3).rows_per_shard(262, 256) == 88
+    # A large partition keeps the full shard; a tiny one still makes shards of a row or more.
+    assert ShardSpread(partitions=2, actors=2, in_flight=3).rows_per_shard(50_000, 256) == 256
+    assert ShardSpread(partitions=1, actors=4, in_flight=3).rows_per_shard(2, 256) == 1
 
 
 def test_plan_groups_rows_sharing_a_prefix_and_passes_errors_through():
