@@ -43,14 +43,13 @@ class ShardSpread:
     cuts a small partition into shards small enough that no actor's `in_flight` shards hold
     more than its share of the rows.
 
-    Ray Data hands an actor up to `in_flight` shards as soon as it is up, counting tasks,
-    not rows. With 256-row shards, 525 rows made three shards (256, 256, 13) and the engine
-    actor up first could take both large ones while the other idled: the processor on 525
-    Alpaca rows with two engine actors took 71 s in one run and 122 s in the next
-    (docs/benchmarks-job-engine.md). The partition's rows times `partitions` over `actors`
-    is the share (hash partitions are about equal; the job knows its rows and caps
-    `in_flight` by the share too, `shards_in_flight`). Large inputs keep the full
-    `max_rows_per_shard`."""
+    Ray Data hands an actor up to `in_flight` shards, counting tasks, not rows. With
+    256-row shards, 525 rows in two partitions made 256 + 6 and 256 + 7, so one engine could
+    hold both large shards while the other had 13 rows, or an engine up first could take
+    them (docs/benchmarks-job-engine.md, the processor on 525 Alpaca rows). The partition's
+    rows times `partitions` over `actors` is the share (hash partitions are about equal; the
+    job knows its rows and caps `in_flight` by the share too, `shards_in_flight`). Large
+    inputs keep the full `max_rows_per_shard`."""
 
     partitions: int
     actors: int

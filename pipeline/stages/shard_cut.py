@@ -81,10 +81,10 @@ def _deal(
     over ceil(rows / `pack_rows`) shards, more only when none has room within `max_rows` and
     `max_tokens`.
 
-    Cut in order, the shards of a spread partition differed in work at equal rows: the order
-    runs from short prompts with long answers to long prompts (525 Alpaca rows in 88-row
-    shards: 3,338-5,077 generated and 3,416-5,681 prompt tokens a shard), so the engine that
-    drew one end of it finished well after the other (docs/benchmarks-job-engine.md)."""
+    Cut in order, the shards of a spread partition each held one stretch of the plan's order
+    (short prompts at one end, long ones at the other), so equal rows were not equal work:
+    525 Alpaca rows in four shards held 5,095-8,835 prompt tokens each, dealt 6,429-6,621
+    (docs/benchmarks-job-engine.md)."""
     total = sum(len(p.members) for p in parts)
     count = max(1, -(-total // pack_rows))
     shards: list[list[PrefixGroup]] = [[] for _ in range(count)]
