@@ -48,6 +48,7 @@ from pipeline.job.engine_placement import EnginePlacements
 from pipeline.job.phases import EngineMarks, JobClock
 from pipeline.job.progress import ProgressBoard
 from pipeline.processor.build import Processor, ProcessorConfig, model_facts
+from pipeline.processor.datasets import without_reservations
 from pipeline.stages.infer import InferStage
 from pipeline.stages.prompts import SAMPLING_FIELDS, RowIdStage
 
@@ -260,9 +261,8 @@ def build_dataset(
     # until the engine had finished the first (1,024 rows in 2 partitions, one engine: plan
     # at 43.7 s, steps 65.3 s; without them 9.0 s and 63.0 s; docs/benchmarks-job-engine.md).
     # The shuffle takes every row before it gives any, so nothing upstream of it reads ahead
-    # of it; the job's own dataset (its context is the job's, from its read) runs without.
-    ds.context.op_resource_reservation_enabled = False
-    return ds
+    # of it; the job's dataset runs without them, as the processor's does.
+    return without_reservations(ds)
 
 
 def check_room(config: JobConfig) -> EnginePlacements | None:

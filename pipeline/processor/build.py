@@ -26,6 +26,7 @@ from typing import Any
 from actors.config import EngineConfig
 from actors.loader import ResolvedModel, resolve_model
 from pipeline.processor.config import ProcessorConfig
+from pipeline.processor.datasets import check_schema, first_row_per_key, without_reservations
 from pipeline.processor.ray_llm import (
     SAMPLING_PARAMS,
     ChatPromptStage,
@@ -111,7 +112,7 @@ class Processor:
             )
         if self.postprocess is not None:
             ds = ds.map(self.postprocess)
-        return _without_reservations(ds)
+        return without_reservations(ds)
 
     def _generate(self, ds):  # noqa: ANN001, ANN202 (ray.data.Dataset in and out)
         import ray
@@ -134,7 +135,7 @@ class Processor:
         needed = {c: "the prompt source or a sampling override" for c in config.source_columns}
         if config.id_column:
             needed.setdefault(config.id_column, "the id column")
-        _check_schema(ds, needed, outputs)
+        check_schema(ds, needed, outputs)
         ds = ds.map_batches(
             IntakeStage(needed, outputs, config.source_columns),
             batch_format="pyarrow",
@@ -322,7 +323,7 @@ class Processor:
             ds.filter(expr=col(key).is_in(failed_ids))
             .repartition(1)
             .map_batches(
-                _first_row_per_key,
+                first_row_per_key,
                 fn_kwargs={"key": key},
                 batch_format="pyarrow",
                 batch_size=None,
@@ -424,17 +425,6 @@ def build_processor(
     return Processor(config, preprocess=preprocess, postprocess=postprocess)
 
 
-def _first_row_per_key(batch, key: str):  # noqa: ANN001, ANN201 (pyarrow.Table in and out)
-    """A batch holding every row of its keys -> its first row per `key` by sample index:
-    a row's samples -> the row, once."""
-    import pyarrow as pa
-
-    order = batch.sort_by([(key, "ascending"), (stage.SAMPLE_INDEX, "ascending")])
-    keys = order.column(key).to_pylist()
-    first = [i for i, k in enumerate(keys) if i == 0 or k != keys[i - 1]]
-    return order.take(pa.array(first, pa.int64()))
-
-
 def _with_sampling_params(preprocess: Callable[[Row], Row]) -> Callable[[Row], Row]:
     """The preprocess, its rows given a null `sampling_params` when it sets none (Ray Data
     LLM's rows may leave it out: the defaults apply)."""
@@ -474,32 +464,3 @@ def _plan_stage(  # noqa: ANN202
     from pipeline.stages.plan import PlanStage
 
     return PlanStage(config.plan, config.sampling, carry, collector, spread)
-
-
-def _without_reservations(ds):  # noqa: ANN001, ANN202 (ray.data.Dataset in and out)
-    """`ds` on a DataContext of its own, without Ray Data's per-operator resource reservations.
-
-    With them, the shuffle's second partition waited for the engines: its reduce task's CPU
-    budget was the 0.2 CPU left beside two engine actors, so it ran only once an engine had
-    finished a shard (the processor on 525 rows with two engines: one engine started its
-    first shard at 65 s; docs/benchmarks-job-engine.md). The job turns them off on its own
-    dataset for the same reason (`pipeline/job/run.py`). Here the context would be the
-    user's, shared by every dataset from the same read, so the returned dataset gets a copy
-    (`Dataset.copy(..., _deep_copy=True)`: Ray Data has no public way to give a dataset a
-    context of its own); the user's other datasets keep theirs."""
-    from ray.data import Dataset
-
-    ds = Dataset.copy(ds, _deep_copy=True)
-    ds.context.op_resource_reservation_enabled = False
-    return ds
-
-
-def _check_schema(ds, needed: dict[str, str], outputs: tuple[str, ...]) -> None:  # noqa: ANN001
-    """The intake's checks now, when the schema is known without running anything."""
-    try:
-        schema = ds.schema(fetch_if_missing=False)
-    except Exception:  # noqa: BLE001 (no cheap schema: the intake checks the first batch)
-        return
-    if schema is None:
-        return
-    IntakeStage(needed, outputs, ()).check(list(schema.names))
