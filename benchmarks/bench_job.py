@@ -44,7 +44,7 @@ from actors import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from actors.gc_pause import freeze_heap  # noqa: E402
 from benchmarks.cpu_share import CpuSampler  # noqa: E402
 from benchmarks.step_log import read_step_logs, step_recording_stage  # noqa: E402
-from pipeline.commands.shutdown import RayShutdown  # noqa: E402
+from pipeline.commands.shutdown import shutdown_ray  # noqa: E402
 from pipeline.config import ComputeConfig, InputConfig, JobConfig, PlanConfig, PromptConfig  # noqa: E402
 from pipeline.job.run import run_job  # noqa: E402
 
@@ -181,19 +181,11 @@ def run_one_job(
         spans.update(operator_spans(ds))
 
     ray_up = time.perf_counter()
-    # As `raypack generate` ends its own Ray: shut down beside the summary and report.
-    shutdown = RayShutdown()
     try:
-        summary = run_job(
-            config,
-            infer_cls=step_recording_stage(steps_file),
-            on_written=written,
-            ray_done=shutdown.start,
-        )
+        summary = run_job(config, infer_cls=step_recording_stage(steps_file), on_written=written)
         returned = time.perf_counter()
     finally:
-        if shutdown.wait() is None:  # the job failed before it was done with Ray
-            ray.shutdown()
+        shutdown_ray()  # as `raypack generate` ends its own Ray: last, on this thread
     ended = time.perf_counter()
     out = pq.read_table(output, columns=["id", "generated_token_ids", "num_prompt_tokens"])
     steps = read_step_logs(steps_file)
@@ -221,7 +213,7 @@ def run_one_job(
             "after_last_step": round(ended - last_step, 2),  # last write, summary, report
             "last_step_to_written": round(marks["written"] - last_step, 2),
             "written_to_return": round(returned - marks["written"], 2),  # summary, report
-            "ray_shutdown_after_return": round(ended - returned, 2),  # begun before it
+            "ray_shutdown_after_return": round(ended - returned, 2),
         },
         "rows": out.num_rows,
         "summary_rows": summary.rows,

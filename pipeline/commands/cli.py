@@ -11,7 +11,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -20,7 +19,7 @@ from actors.config import SamplingParams
 from pipeline.commands import console
 from pipeline.commands.console import ConsoleOptions
 from pipeline.commands.guided_flags import add_guided_args, guided_from_args
-from pipeline.commands.shutdown import RayShutdown
+from pipeline.commands.shutdown import shutdown_ray
 from pipeline.config import (
     AUTO_ACTORS,
     ComputeConfig,
@@ -405,7 +404,6 @@ def run(
         print(f"error: {exc}", file=sys.stderr)
         return 2
     clock.mark("checked")
-    shutdown = RayShutdown()
     with folder:
         console.filter_forwarded_logs()
         connected = connect_ray(num_cpus, logging.INFO if options.verbose else logging.WARNING)
@@ -420,18 +418,12 @@ def run(
                     folder=folder,
                     watch=watch,
                     clock=clock,
-                    # our own Ray goes down beside the summary and report (else the
-                    # caller's Ray stays)
-                    ray_done=shutdown.start if connected else None,
                 )
         except NoRoomError as exc:  # actors the cluster can never hold: before any work
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    reported = time.perf_counter()
-    seconds = shutdown.wait()
-    if seconds is not None:
-        waited = round(time.perf_counter() - reported, 2)
-        phases = {**summary.phases_s, "shutdown": seconds, "shutdown_wait": waited}
+    if connected:  # our own connection goes down last, on this thread (shutdown.py says why)
+        phases = {**summary.phases_s, "shutdown": shutdown_ray()}
         summary = replace(summary, phases_s=phases)
     print(console.summary_text(summary, as_json))
     return 0

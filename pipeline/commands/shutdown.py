@@ -1,49 +1,40 @@
-"""A command's own local Ray, shut down beside the job's tail (issue 28 item 4).
+"""A command's own Ray, shut down once nothing else runs: after the job's summary and report.
 
-`ray.shutdown()` of a local Ray takes ~1.5 s on a 2-core machine, most of it waiting for its
-processes (GCS, raylet, dashboard) to exit after SIGTERM. The job's summary and `_report.png`
-(0.4-0.7 s, matplotlib) need no Ray, so the command starts the shutdown in a thread as soon as
-`run_job` is done with Ray (its `ray_done`) and joins it after the report, so most of the
-report comes off the tail (0.2-0.3 s of its 0.4 s on a 2-core box: the shutdown itself is a
-little slower beside it; docs/benchmarks.md, Start-up).
+Why not beside them (as the command did until 2026-11-28, in a thread, to take ~0.3 s off
+the tail): Ray's `ObjectRef.__dealloc__` calls `worker.core_worker.remove_object_ref_reference`,
+and while `ray.shutdown()` is in `core_worker.shutdown_driver()` the C++ core worker is gone
+but `worker.core_worker` is not yet deleted. A reference freed on another thread in that
+window (the executed datasets' cyclic garbage, collected whenever the report's allocations
+trigger a collection) makes Ray log "The core worker has already been shutdown ... The
+process will exit" and `_Exit(1)` the driver: twice in `bench_job.py`'s 525-row jobs on
+2026-11-28, their rows all written, their summaries never printed (in the second, stacks
+dumped every 20 ms showed a collection running while the shutdown thread was in
+`shutdown_driver()`). Once the shutdown is over, `worker.core_worker` is gone and a freed
+reference is ignored, so the references still alive then are safe.
+
+So the shutdown runs on the main thread, last, after a full collection: the cyclic garbage
+that holds references goes while Ray is still up, and a collection during the shutdown
+finds none.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
-import threading
 import time
 
 logger = logging.getLogger(__name__)
 
 
-class RayShutdown:
-    """`start()` shuts the connected Ray down in a thread; `wait()` joins it and returns the
-    shutdown's own seconds (None if it never started)."""
+def shutdown_ray() -> float:
+    """Collect the garbage (freeing its Ray references while Ray is up), then shut the
+    connected Ray down; the shutdown's seconds (the collection's included)."""
+    import ray
 
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._seconds: float | None = None
-
-    def start(self) -> None:
-        """Begin the shutdown (once; later calls do nothing)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="raypack-ray-shutdown")
-            self._thread.start()
-
-    def wait(self) -> float | None:
-        """Wait for the shutdown to end; its seconds, or None if `start` was never called."""
-        if self._thread is None:
-            return None
-        self._thread.join()
-        return self._seconds
-
-    def _run(self) -> None:
-        import ray
-
-        started = time.perf_counter()
-        try:
-            ray.shutdown()
-        except Exception:  # noqa: BLE001 (the job is done; Ray's exit hook tries again)
-            logger.warning("Ray's shutdown failed", exc_info=True)
-        self._seconds = round(time.perf_counter() - started, 2)
+    started = time.perf_counter()
+    gc.collect()
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 (the job is done; Ray's exit hook tries again)
+        logger.warning("Ray's shutdown failed", exc_info=True)
+    return round(time.perf_counter() - started, 2)

@@ -27,9 +27,8 @@ The phases, in seconds (a phase whose marks are missing is left out, e.g. `impor
     steps         the first step's start -> the last step's end
     last_write    the last step's end -> the output written (the last shard's file)
     report        -> the summary and `_report.png` written
-    shutdown      Ray's shutdown by the command (not in `_summary.json`: it comes after),
-                  begun as soon as the job is done with Ray, beside the summary and report
-    shutdown_wait -> of it, what was left after the report (what the exit waited for)
+    shutdown      -> Ray's shutdown by the command, after the summary and report (not in
+                  `_summary.json`: it comes after; pipeline/commands/shutdown.py)
 """
 
 from __future__ import annotations
@@ -144,8 +143,6 @@ def phases_line(phases: dict[str, float]) -> str:
         )
     )
     tail = parts((("last_write", "write"), ("report", "report"), ("shutdown", "shutdown")))
-    if "shutdown_wait" in phases:  # the shutdown ran beside the report
-        tail += f" ({phases['shutdown_wait']:.1f} after the report)"
     out = []
     if "to_first_step" in phases:
         out.append(f"first step at {phases['to_first_step']:.1f}s ({start})")

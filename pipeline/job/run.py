@@ -301,7 +301,6 @@ def run_job(
     folder: OutputFolder | None = None,
     watch: Callable[[Any, int], AbstractContextManager[Any]] | None = None,
     clock: JobClock | None = None,
-    ray_done: Callable[[], None] | None = None,
 ) -> Summary:
     """Run the whole job into `config.output` (resuming what is there) and report.
     `on_written` gets the written Ray Dataset, executed (benchmarks read its per-operator
@@ -315,11 +314,7 @@ def run_job(
     it) unless the caller passes the `folder` it claimed that way.
 
     `clock`: the command's marks so far (pipeline/job/phases.py); the job adds its own and the
-    engines', and the summary's `phases_s` has the phases they give.
-
-    `ray_done()` is called once the job no longer uses Ray (its output written, its actors
-    and placement groups gone), before the summary and the report are written: a command
-    that started its own Ray shuts it down then, beside them (pipeline/commands/shutdown.py)."""
+    engines', and the summary's `phases_s` has the phases they give."""
     if folder is None:
         prepared = prepared or prepare(config)
         with claim_output(config, prepared) as claimed:
@@ -331,7 +326,6 @@ def run_job(
                 folder=claimed,
                 watch=watch,
                 clock=clock,
-                ray_done=ray_done,
             )
     started = time.perf_counter()
     timer = clock or JobClock(start=time.time())
@@ -358,8 +352,6 @@ def run_job(
     finally:
         if groups is not None:
             groups.remove_all()
-    if ray_done is not None:
-        ray_done()
     summary, distributions = summarize(
         config.output, committed, plan, time.perf_counter() - started, state.num_done
     )

@@ -76,10 +76,6 @@ def test_the_printed_line_names_the_start_up_and_the_tail() -> None:
         "shutdown 1.2"
     )
     assert phases_line({}) == ""
-    # Ray's shutdown beside the report: what was left of it after the report is said too.
-    assert phases_line({"report": 0.6, "shutdown": 1.5, "shutdown_wait": 0.8}) == (
-        "then report 0.6, shutdown 1.5 (0.8 after the report)"
-    )
 
 
 def test_an_engine_on_a_worker_started_before_the_job() -> None:
