@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 from pipeline.commands.cli import HelpFormatter
 from pipeline.commands.console import quiet_ray_token_notice
+from pipeline.commands.shutdown import shutdown_ray
 from pipeline.serve.cli import add_app_arguments, serve_config_from_args
 from pipeline.serve.config import prefix_routed
 from pipeline.serve.fit import fit_to_cluster
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         config = fit_to_cluster(config, prefix_routed(config))
     except ValueError as exc:
         logger.error("%s", exc)
-        ray.shutdown()
+        shutdown_ray()
         return 2
     threads = "" if config.torch_threads is None else f", its engine {config.torch_threads} threads"
     logger.info("each replica takes %g CPUs%s", config.num_cpus, threads)
@@ -146,5 +147,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         logger.info("stopping")
     finally:
         serve.shutdown()
-        ray.shutdown()
+        shutdown_ray()  # on this thread, after a collection (pipeline/commands/shutdown.py)
     return 0
