@@ -167,8 +167,12 @@ def run_engine(
     del engine
     gc.unfreeze()
     gc.collect()
-    run = {"load_s": loaded - started, "seconds": seconds, "outputs": outputs}
-    run["computed_prompt_tokens"] = computed
+    run = {
+        "load_s": loaded - started,
+        "seconds": seconds,
+        "outputs": outputs,
+        "computed_prompt_tokens": computed,
+    }
     return run if screen is None else {**run, "lm_head_screen": screen}
 
 

@@ -48,9 +48,14 @@ def main(spec_path: str, result_path: str) -> None:
         if outputs is None:
             outputs = [list(o.outputs[0].token_ids) for o in outs]
             computed = sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) for o in outs)
-    result = {"load_s": loaded - started, "seconds": seconds, "outputs": outputs}
+    result = {
+        "load_s": loaded - started,
+        "seconds": seconds,
+        "outputs": outputs,
+        "computed_prompt_tokens": computed,
+    }
     with open(result_path, "w") as f:
-        json.dump({**result, "computed_prompt_tokens": computed}, f)
+        json.dump(result, f)
 
 
 if __name__ == "__main__":
