@@ -22,9 +22,13 @@ def step_recording_stage(path: Path) -> type[InferStage]:
     class Recorded(InferStage):
         def _new_engine(self):  # noqa: ANN202
             engine = super()._new_engine()
-            self.steps: list[tuple[float, int, int, float]] = []
-            self.shards_done: list[float] = []
-            self.actor: dict[str, Any] = {}
+            # One record per actor, whose engines (engines_per_actor) build in threads of
+            # their own at once: `setdefault` makes them share it.
+            fields: dict[str, Any] = self.__dict__
+            fields.setdefault("steps", [])  # (start, running, waiting, seconds) per step
+            fields.setdefault("shards_done", [])
+            fields.setdefault("actor", {})
+            fields.setdefault("dump_lock", threading.Lock())  # shards finish in several threads
             step = engine.step
 
             def recorded():  # noqa: ANN202
@@ -44,7 +48,6 @@ def step_recording_stage(path: Path) -> type[InferStage]:
                 return outputs
 
             engine.step = recorded
-            self.dump_lock = threading.Lock()  # shards finish in several threads
             return engine
 
         def run_shard(self, shard):  # noqa: ANN001, ANN202

@@ -99,7 +99,7 @@ def add_io_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-writers",
         type=int,
-        help="writer actors, one open output file each (default: one per 8 engine actors)",
+        help="writer actors, one open output file each (default: one per 8 engines)",
     )
     g.add_argument(
         "--input-format",
@@ -207,6 +207,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "that memory holds, where the rows are enough to pay for their start; one on GPUs",
     )
     c.add_argument(
+        "--engines-per-actor",
+        type=_actor_count,
+        default=compute.engines_per_actor,
+        help="CPU engines in each engine actor, each stepped by a thread of its own, or auto: "
+        "a single node's auto-counted engines in pairs (one process start each), else 1",
+    )
+    c.add_argument(
         "--num-gpus-per-actor", type=float, help="default: 1 when the cluster has GPUs, else 0"
     )
     c.add_argument(
@@ -296,6 +303,7 @@ def job_config(
         ),
         compute=ComputeConfig(
             num_actors=args.num_actors,
+            engines_per_actor=args.engines_per_actor,
             num_gpus_per_actor=args.num_gpus_per_actor,
             num_cpus_per_actor=args.num_cpus_per_actor,
             resources=tuple(_resource(r) for r in args.actor_resource),
@@ -441,7 +449,8 @@ def _resource(text: str) -> tuple[str, float]:
 
 
 def _actor_count(text: str) -> int | str:
-    """`--num-actors`: a count >= 1 or auto (argparse names the flag when this fails)."""
+    """`--num-actors`, `--engines-per-actor`: a count >= 1 or auto (argparse names the flag
+    when this fails)."""
     if text == AUTO_ACTORS:
         return text
     try:

@@ -60,18 +60,18 @@ WRITE_TASK_CPUS = 0.0001
 WRITE_TASKS_PER_WRITER = 2
 
 
-# Engine actors per writer when `FilesConfig.num_writers` is not given. A writer appends whole
+# Engines per writer when `FilesConfig.num_writers` is not given. A writer appends whole
 # shards, which any engine makes at a few rows a second, and is a process of its own (0.45
 # CPU-s to start, ~0.5 % of a core idle) with a file of its own open to the end: one per engine
 # actor gave a 2-core CPU node's two engines two writers (and two files for 525 rows), and
 # a 64-core node's 64 one-thread engines 64.
-ENGINE_ACTORS_PER_WRITER = 8
+ENGINES_PER_WRITER = 8
 
 
-def default_num_writers(num_engine_actors: int) -> int:
-    """Writers for a job of `num_engine_actors` when the user did not say: one per
-    `ENGINE_ACTORS_PER_WRITER` engine actors, at least one."""
-    return max(1, -(-num_engine_actors // ENGINE_ACTORS_PER_WRITER))
+def default_num_writers(num_engines: int) -> int:
+    """Writers for a job of `num_engines` (over all its engine actors) when the user did not
+    say: one per `ENGINES_PER_WRITER` engines, at least one."""
+    return max(1, -(-num_engines // ENGINES_PER_WRITER))
 
 
 def writer_of(shard_id: str, num_writers: int) -> int:

@@ -50,7 +50,7 @@ class DryRun:
     max_share_degree: int
     max_tokens: int
     samples_per_row: int  # the job's n
-    num_actors: int
+    num_engines: int  # over all the engine actors (ComputeConfig.num_engines)
     max_num_seqs: int
     max_num_batched_tokens: int
     calibration: Calibration | None
@@ -66,7 +66,7 @@ class DryRun:
         return Workload(
             sequences=(self.rows - self.error_rows) * self.samples_per_row,
             tokens_to_compute=self.tokens_to_compute,
-            num_actors=self.num_actors,
+            num_engines=self.num_engines,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
@@ -98,8 +98,8 @@ class DryRun:
             work = self.workload()
             parts = estimate(work, cal)
             lines.append(
-                f"engine time: about {_duration(seconds)} on {self.num_actors} engine "
-                f"actor(s) (prefill {parts.prefill_s:.0f} s, decode {parts.decode_s:.0f} s in "
+                f"engine time: about {_duration(seconds)} on {self.num_engines} engine(s) "
+                f"(prefill {parts.prefill_s:.0f} s, decode {parts.decode_s:.0f} s in "
                 f"{parts.decode_steps} steps of up to {work.batch()} sequences). An estimate "
                 f"from {cal.seconds:.0f} s of calibration here on {cal.sampled_rows} sampled "
                 f"rows: they generated {cal.mean_output_tokens:.1f} tokens on average (at most "
@@ -167,7 +167,7 @@ def dry_run(config: JobConfig, prepared, calibrate: bool = True) -> DryRun:  # n
         max_share_degree=max(stats.share_degrees, default=0),
         max_tokens=config.sampling.max_tokens,
         samples_per_row=config.sampling.n,
-        num_actors=config.compute.num_actors,
+        num_engines=config.compute.num_engines,
         max_num_seqs=config.engine.max_num_seqs,
         max_num_batched_tokens=config.engine.max_num_batched_tokens,
         calibration=calibration,
@@ -238,7 +238,7 @@ def calibrate_sample(config: JobConfig, ok: pa.Table, prompts: list[list[int]]) 
     work = Workload(
         sequences=len(prompts) * config.sampling.n,
         tokens_to_compute=0,
-        num_actors=config.compute.num_actors,
+        num_engines=config.compute.num_engines,
         max_num_seqs=config.engine.max_num_seqs,
         max_num_batched_tokens=config.engine.max_num_batched_tokens,
     )

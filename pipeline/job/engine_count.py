@@ -10,6 +10,10 @@ torch and transformers, the model loaded) costs ~5 CPU-seconds while the rows ar
 planned, so a job starts one engine per `ROWS_PER_ENGINE` rows at most: in a 525-row job two
 engines still ran 1.08x one (37.2 s against 40.3 s; the first step ~1.8 s later).
 
+A single node's engines run in pairs, as threads of one actor process (`engines_per_actor=
+"auto"`, `engine_processes`): they step as fast as in processes of their own, and each pair
+imports torch, transformers and Ray Data once instead of twice.
+
 GPU engines, tensor/pipeline-parallel engines and engines with custom resources keep one
 actor unless asked: their count is the user's (it follows the devices they hold).
 """
@@ -26,6 +30,10 @@ from pipeline.config import AUTO_ACTORS, DEFAULT_CPUS_PER_ACTOR, JobConfig
 ROWS_PER_ENGINE = 256  # sequences per engine at least (one engine below that)
 MEMORY_SHARE = 0.5  # of a node's memory, for its engines' weights and KV caches
 RUNTIME_BYTES = 2**30  # an engine process beside its weights and KV cache (torch, Python)
+# Engines per actor for `engines_per_actor="auto"`: two 1-thread engines stepped as threads of
+# one process as fast as in two processes (pipeline/config.py `ComputeConfig`); more threads
+# of one process were not measured, and their Python parts take turns on one interpreter lock.
+ENGINES_PER_ACTOR = 2
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -120,7 +128,7 @@ def resolve_engines(
     and the reason for the count (None when it was given)."""
     compute = config.compute
     reason = None
-    count = compute.num_actors
+    count, each = compute.num_actors, compute.engines_per_actor
     if count == AUTO_ACTORS:
         if gpus or config.engine.world_size > 1 or compute.resources:
             count, reason = 1, "one engine for GPU, tensor/pipeline-parallel or custom resources"
@@ -129,13 +137,29 @@ def resolve_engines(
             width = DTYPE_BYTES.get(config.engine.dtype, 4)  # "auto" unresolved: float32's
             per_engine = engine_bytes(hf_config, width, config.engine.kv_cache_memory_gb)
             threads = compute.torch_threads or 1
-            count, reason = cpu_engines(nodes, threads, per_engine, sequences)
+            engines, reason = cpu_engines(nodes, threads, per_engine, sequences)
+            count, each = engine_processes(engines, each, len(nodes))
+            if each > 1:
+                reason += f"; {each} engines in each of {count} actor process(es)"
+    each = 1 if each == AUTO_ACTORS else int(each)
     cpus = compute.num_cpus_per_actor
-    if cpus is None and count > 1 and not gpus and config.engine.world_size == 1:
+    if cpus is None and count * each > 1 and not gpus and config.engine.world_size == 1:
         tokenize = compute.tokenize_num_cpus * compute.num_tokenize_actors
-        cpus = cpus_per_actor(nodes or nodes_now(), count, tokenize)
-    compute = replace(compute, num_actors=count, num_cpus_per_actor=cpus)
+        cpus = cpus_per_actor(nodes or nodes_now(), count * each, tokenize) * each
+    compute = replace(compute, num_actors=count, engines_per_actor=each, num_cpus_per_actor=cpus)
     return replace(config, compute=compute), reason
+
+
+def engine_processes(engines: int, each: int | str, num_nodes: int) -> tuple[int, int]:
+    """`engines` auto-counted CPU engines as (actors, engines in each): given `each`, as many
+    actors of it as the engines fill (at least one); "auto", pairs on a single node
+    (`ENGINES_PER_ACTOR`, when the count is even) and one per actor on several nodes (Ray
+    places the actors: a pair split over two nodes' odd cores would leave one idle)."""
+    if each == AUTO_ACTORS:
+        pairs = num_nodes == 1 and engines % ENGINES_PER_ACTOR == 0
+        each = ENGINES_PER_ACTOR if pairs else 1
+    each = int(each)
+    return max(1, engines // each), each
 
 
 def count_for_job(

@@ -71,7 +71,7 @@ class Workload:
 
     sequences: int  # rows reaching the engine x samples per row
     tokens_to_compute: int  # prompt tokens (shared prefixes once)
-    num_actors: int
+    num_engines: int  # side by side, over all the engine actors
     max_num_seqs: int
     max_num_batched_tokens: int
 
@@ -82,7 +82,7 @@ class Workload:
 
     def batch(self) -> int:
         """The batch an actor starts decoding with."""
-        return min(math.ceil(self.sequences / self.num_actors), self.batch_cap)
+        return min(math.ceil(self.sequences / self.num_engines), self.batch_cap)
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,8 @@ class Estimate:
 
 def estimate(work: Workload, cal: Calibration) -> Estimate:
     """The arithmetic of the module docstring."""
-    sequences = math.ceil(work.sequences / work.num_actors)
-    prefill = work.tokens_to_compute / work.num_actors / cal.prefill_tokens_per_s
+    sequences = math.ceil(work.sequences / work.num_engines)
+    prefill = work.tokens_to_compute / work.num_engines / cal.prefill_tokens_per_s
     mean, longest = cal.mean_output_tokens, cal.max_output_tokens
     decode_tokens = sequences * max(mean - 1, 0.0)
     steps = max(longest - 1, math.ceil(decode_tokens / work.batch_cap + longest - mean))

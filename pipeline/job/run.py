@@ -408,7 +408,7 @@ def _generate(
             config.output,
             prefix,
             config.files,
-            config.files.num_writers or default_num_writers(config.compute.num_actors),
+            config.files.num_writers or default_num_writers(config.compute.num_engines),
         )
         with watching:
             written = sink.write(ds)

@@ -217,6 +217,7 @@ class Processor:
         ds = ds.repartition(target_num_rows_per_block=1)
         args = engine_actor_args(compute, placements)
         threads = default_torch_threads(compute, args, config.engine.world_size)
+        calls = in_flight * compute.engines_each  # an actor's engines' shards together
         with warnings.catch_warnings():
             # max_restarts / max_task_retries have no named parameter in map_batches (2.60),
             # and Ray Data's default is to retry forever: a shard that kills its actor every
@@ -234,6 +235,7 @@ class Processor:
                     keep_columns=carry,
                     torch_threads=compute.torch_threads or threads,
                     engine_retries=compute.engine_retries,
+                    engines=compute.engines_each,
                     with_logprobs=config.with_logprobs,
                     with_samples=config.with_samples,
                     **({"progress": progress} if progress is not None else {}),
@@ -248,20 +250,22 @@ class Processor:
                     max_size=config.actor_pool_size[1],
                     # Several shards in one actor at once, so the next shard's prompts join
                     # the running batch while the last ones decode (pipeline/stages/feed.py).
-                    max_concurrent_calls_per_actor=in_flight,
-                    max_tasks_in_flight_per_actor=in_flight,
+                    max_concurrent_calls_per_actor=calls,
+                    max_tasks_in_flight_per_actor=calls,
                     enable_true_multi_threading=True,
                 ),
                 **args,
             )
 
     def shard_dispatch(self) -> tuple[int, ShardSpread | None]:
-        """Shards one engine actor holds at once (`shards_in_flight`, capped by its share of
-        `rows` when the caller knows them), and how the plan spreads a small partition's
-        shards over several engine actors (`ShardSpread`; None for one actor, or without
-        the shuffle by prefix key, whose partitions are the input's blocks)."""
+        """Shards one engine holds at once (`shards_in_flight`, capped by its share of `rows`
+        when the caller knows them), and how the plan spreads a small partition's shards over
+        all the engines (`ShardSpread`; None for one engine, or without the shuffle by prefix
+        key, whose partitions are the input's blocks). An actor of several engines
+        (`ComputeConfig.engines_per_actor`) holds as many shards as they do together."""
         config = self.config
-        low, high = config.actor_pool_size
+        each = config.compute_config.engines_each
+        low, high = (size * each for size in config.actor_pool_size)
         share = None if self.rows is None or low == 1 else math.ceil(self.rows / low)
         in_flight = shards_in_flight(config.engine, config.plan, share)
         if high == 1 or not config.plan.prefix_grouping:

@@ -78,6 +78,11 @@ def engine_actor_args(compute: ComputeConfig, placements: Any = None) -> dict:
     gpus = compute.num_gpus_per_actor
     if gpus is None:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    if compute.engines_each > 1 and (gpus or placements is not None):
+        raise ValueError(
+            f"engines_per_actor={compute.engines_each}: several engines share an actor on CPU "
+            "only (a GPU or tensor/pipeline-parallel engine is one per actor)"
+        )
     args: dict = dict(
         num_cpus=compute.actor_cpus,
         num_gpus=gpus,
@@ -100,8 +105,9 @@ def engine_actor_args(compute: ComputeConfig, placements: Any = None) -> dict:
 def default_torch_threads(
     compute: ComputeConfig, actor_args: dict, world_size: int = 1
 ) -> int | None:
-    """Torch threads of a CPU engine actor: the cluster's CPUs shared by the engine actors,
-    at most its largest node's (`pipeline.cluster_cpus.threads_per_actor`).
+    """Torch threads of each engine of a CPU engine actor: the cluster's CPUs shared by all
+    the engines, at most the largest node's share of an actor's engines
+    (`pipeline.cluster_cpus.threads_per_actor`).
 
     Ray sets OMP_NUM_THREADS to an actor's whole CPUs, so a 0.5-CPU actor would run torch
     on one thread however many cores are idle; the CPU fraction is only for scheduling.
@@ -109,4 +115,5 @@ def default_torch_threads(
     """
     if actor_args["num_gpus"] or world_size > 1:
         return None
-    return threads_per_actor(available_cpus(), largest_node_cpus(), compute.num_actors)
+    each = compute.engines_each
+    return threads_per_actor(available_cpus(), largest_node_cpus() / each, compute.num_engines)

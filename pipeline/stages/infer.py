@@ -3,7 +3,9 @@
 Each actor loads its engine once and keeps it across shards. The actor runs several shard
 tasks at once (`max_concurrent_calls_per_actor` in pipeline/processor/build.py); each hands its shard to
 one `pipeline.stages.feed.EngineFeed`, whose thread steps the engine and queues a new shard's
-prompts between two steps, so the running batch stays full across shard boundaries. A shard's
+prompts between two steps, so the running batch stays full across shard boundaries. An actor
+of several engines (`engines`: `ComputeConfig.engines_per_actor`) has a feed per engine and
+hands each shard to the feed with the fewest rows still to finish. A shard's
 prefix groups (nested when the plan made them so) go to `engine.add_prompts` as
 `packing.PrefixGroup`s over the shard's prompts, so each shared prefix is computed once. Rows
 that arrive with an error skip the engine and come out as they are.
@@ -29,8 +31,10 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import pyarrow as pa
@@ -84,6 +88,7 @@ class InferStage(Stage):
         tokenizer=None,  # noqa: ANN001 (HF tokenizer the driver loaded, or None: load it)
         engine=None,  # noqa: ANN001 (actors.LLMEngine or a stand-in)
         timeline=None,  # noqa: ANN001 (actor handle of pipeline.io.report.StatsCollector)
+        engines: int = 1,
     ):
         # The job's phases (pipeline/job/phases.py): this actor's marks go to `timeline`.
         self.marks = EngineMarks(process=process_start(), constructed=time.time())
@@ -100,30 +105,46 @@ class InferStage(Stage):
         # The job's live progress: each row counted as its request ends (pipeline/job/progress.py).
         self.progress = ProgressReporter(progress) if progress is not None else None
         self.parsed_type = parsed_type  # the `parsed` column's (pipeline/stages/parsed.py), or none
-        self.feed = EngineFeed(
-            engine,
-            self._new_engine,
-            _close_engine,
-            engine_retries=engine_retries,
-            torch_threads=torch_threads,
-            on_finished=self.progress.finished if self.progress else None,
-        )  # given no engine, the feed builds one in its own thread (see pipeline/stages/feed.py)
+        self._build_lock = threading.Lock()  # `_new_engine`'s
+
+        def new_feed(built=None) -> EngineFeed:  # noqa: ANN001 (an engine or None)
+            return EngineFeed(
+                built,
+                self._new_engine,
+                _close_engine,
+                engine_retries=engine_retries,
+                torch_threads=torch_threads,
+                on_finished=self.progress.finished if self.progress else None,
+            )  # given no engine, the feed builds one in its own thread (pipeline/stages/feed.py)
+
+        if engine is not None or engines == 1:
+            self.feeds = [new_feed(engine)]
+        else:  # each feed builds its engine at once (a feed's constructor waits for its own)
+            with ThreadPoolExecutor(engines, thread_name_prefix="engine-build") as pool:
+                self.feeds = list(pool.map(lambda _: new_feed(), range(engines)))
+        self._unfinished = [0] * len(self.feeds)  # rows (samples) each feed has yet to finish
+        self._route = threading.Lock()
         self.marks.loaded = time.time()
 
     @property
     def engine(self):  # noqa: ANN201 (actors.LLMEngine)
-        """The engine now in use (a worker failure replaces it)."""
-        return self.feed.engine
+        """The (first) engine now in use (a worker failure replaces it)."""
+        return self.feeds[0].engine
 
     def _new_engine(self):  # noqa: ANN202 (actors.LLMEngine)
-        import torch
+        # One engine built at a time: transformers' `from_pretrained` is not thread-safe (two
+        # at once in one process: "Cannot copy out of meta tensor" from one whose weights
+        # the other's meta-device context made), and the first build's imports are the
+        # whole process's anyway.
+        with self._build_lock:
+            import torch
 
-        from actors import LLMEngine
+            from actors import LLMEngine
 
-        started = time.perf_counter()  # the feed's thread, the collector paused (feed.py)
-        engine = LLMEngine(
-            self.engine_config, tokenizer=self.tokenizer, resolved_model=self.resolved_model
-        )
+            started = time.perf_counter()  # the feed's thread, the collector paused (feed.py)
+            engine = LLMEngine(
+                self.engine_config, tokenizer=self.tokenizer, resolved_model=self.resolved_model
+            )
         logger.info(
             "engine for %s loaded in %.1fs (%d torch threads)",
             self.engine_config.model,
@@ -142,7 +163,15 @@ class InferStage(Stage):
                 for p in params:
                     self.progress.finished([next(done) for _ in range(p.n)])
             return outputs
-        return self.feed.generate(shard_id, prompts, params, groups)
+        samples = sum(p.n for p in params)
+        with self._route:  # the feed with the fewest rows to finish takes the shard
+            pick = min(range(len(self.feeds)), key=self._unfinished.__getitem__)
+            self._unfinished[pick] += samples
+        try:
+            return self.feeds[pick].generate(shard_id, prompts, params, groups)
+        finally:
+            with self._route:
+                self._unfinished[pick] -= samples
 
     def required_columns(self) -> tuple[str, ...]:
         return (
@@ -209,8 +238,12 @@ class InferStage(Stage):
         table = self._rows(shard, shard_id, members, rows, flat, groups)
         self._log(shard_id, table, len(groups.engine), time.perf_counter() - started)
         if self.timeline is not None:
-            self.marks.first_step = self.feed.first_step_at
-            self.marks.last_step = self.feed.last_step_at
+            self.marks.first_step = min(
+                (f.first_step_at for f in self.feeds if f.first_step_at), default=None
+            )
+            self.marks.last_step = max(
+                (f.last_step_at for f in self.feeds if f.last_step_at), default=None
+            )
             self.timeline.record_engine.remote(_ACTOR, replace(self.marks))
         return table
 

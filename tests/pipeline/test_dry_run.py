@@ -93,7 +93,7 @@ def test_dry_run_prints_the_plan_without_ray(capsys, prompt_table, tiny_model_di
     )
     assert 0 < compute < prompt
     assert re.search(r"shards: [1-9]", out)
-    assert re.search(r"engine time: about \d+ s on 1 engine actor", out)
+    assert re.search(r"engine time: about \d+ s on 1 engine\b", out)
     picture = re.search(r"the plan's picture: (\S+\.png)", out).group(1)
     assert open(picture, "rb").read(4) == b"\x89PNG"
     # Nothing written: not even the output folder.
@@ -127,7 +127,7 @@ def plan(**changes) -> DryRun:
     figures = dict(
         input_rows=100, done_rows=0, rows=100, error_rows=4, prompt_tokens=10_000,
         saved_tokens=6_000, optimal_saved_tokens=7_000, shards=2, shared_groups=10,
-        max_share_degree=5, max_tokens=48, samples_per_row=1, num_actors=2, max_num_seqs=256,
+        max_share_degree=5, max_tokens=48, samples_per_row=1, num_engines=2, max_num_seqs=256,
         max_num_batched_tokens=512, picture=None, calibration=calibration(),
     )  # fmt: skip
     return DryRun(**{**figures, **changes})
@@ -143,7 +143,7 @@ def test_few_rows_decode_as_one_batch_until_the_longest_ends() -> None:
     parts = estimate(dry.workload(), dry.calibration)
     assert (parts.decode_steps, parts.decode_tokens) == (30, 480)
     out = dry.text("o")
-    assert "engine time: about 3 s on 2 engine actor(s)" in out
+    assert "engine time: about 3 s on 2 engine(s)" in out
     assert "from 3 s of calibration here on 8 sampled rows" in out
     assert "they generated 11.0 tokens on average (at most 31, --max-tokens 48)" in out
     assert "a decode step 20 ms + 1.0 ms per sequence (68 ms at 48)" in out
@@ -155,7 +155,9 @@ def test_few_rows_decode_as_one_batch_until_the_longest_ends() -> None:
 def test_many_rows_fill_the_batch_cap_then_drain() -> None:
     # 1,000 rows on 1 actor, n=2: 2,000 sequences, 20,000 decode tokens; the budget (128
     # tokens a step) caps the batch below max_num_seqs: 157 full steps + the drain (31 - 11).
-    dry = plan(rows=1000, error_rows=0, num_actors=1, samples_per_row=2, max_num_batched_tokens=128)
+    dry = plan(
+        rows=1000, error_rows=0, num_engines=1, samples_per_row=2, max_num_batched_tokens=128
+    )
     work = dry.workload()
     assert (work.sequences, work.batch_cap, work.batch()) == (2000, 128, 128)
     parts = estimate(work, dry.calibration)

@@ -74,9 +74,14 @@ def test_memory_caps_the_engines_per_node() -> None:
 
 def test_auto_engines_leave_a_whole_cpu_for_ray_data() -> None:
     config, reason = resolve_engines(job(), 4096, SMALL, gpus=False, nodes=TWO_CORES)
-    assert config.compute.num_actors == 2 and reason
-    assert config.compute.num_cpus_per_actor == cpus_per_actor(TWO_CORES, 2, 0.25) == 0.375
+    assert config.compute.num_engines == 2 and reason
+    assert cpus_per_actor(TWO_CORES, 2, 0.25) == 0.375  # each engine's; a pair's actor 0.75
+    assert config.compute.num_cpus_per_actor == 0.75  # (test_engines_per_actor.py)
     check_cpu_room(config, False, [{"CPU": 2.0}])  # would raise NoRoomError at 0.5 each
+    apart = job(engines_per_actor=1)  # two actors of one engine
+    config, _ = resolve_engines(apart, 4096, SMALL, gpus=False, nodes=TWO_CORES)
+    assert (config.compute.num_actors, config.compute.num_cpus_per_actor) == (2, 0.375)
+    check_cpu_room(config, False, [{"CPU": 2.0}])
     roomy = [Node(16.0, 64 * GiB)] * 2
     assert cpus_per_actor(roomy, 8, 0.25) == 0.5
 

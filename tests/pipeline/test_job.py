@@ -142,19 +142,21 @@ def kill_once_stage(marker: Path) -> type[InferStage]:
     return KillOnce
 
 
-def test_snippets_two_actors_groups_whole_and_killed_actor_recovered(
+def test_snippets_two_engines_in_one_actor_groups_whole_and_killed_actor_recovered(
     ray_cluster, tiny_model_dir, tmp_path
 ):
-    """jobs/snippets.py's config on the bundled sample with two engine actors, three rows per
-    shard at most: documents with four queries are split (prefix repeated), all others stay
-    in one shard. One actor dies mid-shard; Ray restarts it and the shard is redone."""
+    """jobs/snippets.py's config on the bundled sample with two engines in one engine actor
+    (`--engines-per-actor`, as auto runs a 2-core node's), three rows per shard at most:
+    documents with four queries are split (prefix repeated), all others stay in one shard.
+    The actor dies mid-shard; Ray restarts it (both engines) and its shards are redone."""
     snippets = load_job("snippets")
     sample = ROOT / "jobs" / "data" / "snippets_sample.jsonl"
     output = tmp_path / "snippets"
     args = snippets.build_parser().parse_args(
         [
             "--input", str(sample), "--output", str(output), "--model", str(tiny_model_dir), "--dtype", "float32",
-            "--max-tokens", "2", "--num-actors", "2", "--num-cpus-per-actor", "0.25",
+            "--max-tokens", "2", "--num-actors", "1", "--engines-per-actor", "2",
+            "--num-cpus-per-actor", "0.5",
             "--actor-resource", "fake_gpu=1", "--max-rows-per-shard", "3",
             "--num-partitions", "2", "--keep-columns", "doc_id,query",
         ]
@@ -180,6 +182,6 @@ def test_snippets_two_actors_groups_whole_and_killed_actor_recovered(
         assert len(shards[doc]) == (1 if n <= 3 else 2), (doc, n, shards[doc])
     summary = json.loads((output / SUMMARY_FILE).read_text())
     assert summary["split_groups"] == sum(1 for n in counts.values() if n > 3) > 0
-    # One writer for the two engine actors (pipeline/io/writer.py `default_num_writers`):
+    # One writer for the two engines (pipeline/io/writer.py `default_num_writers`):
     # one file (`<prefix>_<run>-<writer>-<n>.parquet`), writer 0's.
     assert [p.rsplit("-", 2)[1] for p in data_files(output)] == ["0"]
