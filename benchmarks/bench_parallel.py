@@ -244,7 +244,9 @@ def main() -> None:
         for engine in engines.values():
             if hasattr(engine.runner, "shutdown"):
                 engine.runner.shutdown()
-        ray.shutdown()
+        from pipeline.commands.shutdown import shutdown_ray
+
+        shutdown_ray()  # collected first, on this thread (pipeline/commands/shutdown.py)
         shutil.rmtree(work, ignore_errors=True)
 
 

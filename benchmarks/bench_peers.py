@@ -215,7 +215,9 @@ def run_jobs(rows: list[tuple[str, list[dict]]], args: argparse.Namespace, work:
             summary = run_job(config, infer_cls=step_recording_stage(steps_file))
             returned = time.perf_counter()
         finally:
-            ray.shutdown()
+            from pipeline.commands.shutdown import shutdown_ray
+
+            shutdown_ray()  # collected first, on this thread (pipeline/commands/shutdown.py)
         walls.append(time.perf_counter() - started)
         jobs.append(returned - up)
         # the last run's start-up and tail (pipeline/job/phases.py), plan and batch per step

@@ -78,7 +78,9 @@ def child(args: argparse.Namespace) -> None:
         "blocks": blocks,
     }
     print(json.dumps(result))
-    ray.shutdown()
+    from pipeline.commands.shutdown import shutdown_ray
+
+    shutdown_ray()  # collected first, on this thread (pipeline/commands/shutdown.py)
 
 
 def run_once(root: Path, args: argparse.Namespace) -> dict[str, Any]:

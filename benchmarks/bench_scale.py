@@ -130,7 +130,9 @@ def one_job(rows: int, work: Path, model: Path, args: argparse.Namespace) -> dic
     elapsed = time.perf_counter() - started
     with open("/proc/self/status") as status:  # before the checks below add their own
         hwm = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    ray.shutdown()
+    from pipeline.commands.shutdown import shutdown_ray
+
+    shutdown_ray()  # collected first, on this thread (pipeline/commands/shutdown.py)
     files = data_files(output)
     counts = [pq.ParquetFile(f).metadata.num_rows for f in files]
     ids = pq.read_table(output, columns=["id"]).column("id")

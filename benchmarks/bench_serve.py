@@ -294,7 +294,9 @@ def run_live(
                 wait_idle(base)
     finally:
         serve.shutdown()
-        ray.shutdown()
+        from pipeline.commands.shutdown import shutdown_ray
+
+        shutdown_ray()  # collected first, on this thread (pipeline/commands/shutdown.py)
         shutil.rmtree(temp_dir, ignore_errors=True)
     return runs, by_round
 

@@ -262,7 +262,9 @@ def main() -> int:
             Path(args.json_out).write_text(json.dumps(report, indent=1))
     finally:
         serve.shutdown()
-        ray.shutdown()
+        from pipeline.commands.shutdown import shutdown_ray
+
+        shutdown_ray()  # collected first, on this thread (pipeline/commands/shutdown.py)
     return 0
 
 
