@@ -43,7 +43,9 @@ class ProcessorConfig:
     64-token prefix keys, shards of at most 256 rows / 65536 prompt tokens, one shuffle
     partition per engine actor unless `plan.num_partitions`), `compute` ComputeConfig()
     (engine actors take a GPU each when the cluster has GPUs, else 0.5 CPU; one tokenizer
-    actor; engine_retries 1; max_restarts 3; its `num_actors` is `concurrency`).
+    actor; engine_retries 1; max_restarts 3; its `num_actors` is `concurrency`; its
+    `engines_per_actor` 1 unless given: `ComputeConfig(engines_per_actor=2)` runs two CPU
+    engines in each actor, each on its own thread, as the job does on a single node).
 
     Tensor/pipeline-parallel engines (tp x pp > 1) need a placement group per engine actor,
     reserved for the run: the offline job reserves them and hands them to
