@@ -119,7 +119,7 @@ class InferStage(Stage):
 
         if engine is not None or engines == 1:
             self.feeds = [new_feed(engine)]
-        else:  # each feed builds its engine at once (a feed's constructor waits for its own)
+        else:  # each feed builds its engine in its own thread, one at a time (`_new_engine`)
             with ThreadPoolExecutor(engines, thread_name_prefix="engine-build") as pool:
                 self.feeds = list(pool.map(lambda _: new_feed(), range(engines)))
         self._unfinished = [0] * len(self.feeds)  # rows (samples) each feed has yet to finish
