@@ -55,6 +55,7 @@ from benchmarks._bench_common import emit, log, machine  # noqa: E402
 from benchmarks.bench_job import alpaca_messages, prompt_ids  # noqa: E402
 from benchmarks.peer_docs import prefix_messages  # noqa: E402
 from benchmarks.step_log import read_step_logs, step_recording_stage  # noqa: E402
+from pipeline.commands.shutdown import shutdown_ray  # noqa: E402
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 _ORIGINAL_PRELOAD = "RAYPACK_PEERS_ORIGINAL_LD_PRELOAD"  # before `with_allocator` started us again
@@ -215,8 +216,6 @@ def run_jobs(rows: list[tuple[str, list[dict]]], args: argparse.Namespace, work:
             summary = run_job(config, infer_cls=step_recording_stage(steps_file))
             returned = time.perf_counter()
         finally:
-            from pipeline.commands.shutdown import shutdown_ray
-
             shutdown_ray()  # collected first, on this thread (pipeline/commands/shutdown.py)
         walls.append(time.perf_counter() - started)
         jobs.append(returned - up)

@@ -42,6 +42,7 @@ from benchmarks.replay import (  # noqa: E402
 )
 from benchmarks.simulate import StepCost, simulate  # noqa: E402
 from packing.admission import AdmissionConfig  # noqa: E402
+from pipeline.commands.shutdown import shutdown_ray  # noqa: E402
 from pipeline.serve.cli import add_admission_arguments, admission_from_args  # noqa: E402
 
 logger = logging.getLogger("raypack.bench_serve")
@@ -294,8 +295,6 @@ def run_live(
                 wait_idle(base)
     finally:
         serve.shutdown()
-        from pipeline.commands.shutdown import shutdown_ray
-
         shutdown_ray()  # collected first, on this thread (pipeline/commands/shutdown.py)
         shutil.rmtree(temp_dir, ignore_errors=True)
     return runs, by_round

@@ -88,10 +88,10 @@ def ray_node() -> None:
 
 
 def end_ray_node() -> None:
-    """Ray's shutdown (`shutdown_ray`), then end what it left. Its graceful stop gives the raylet 1 s before
-    SIGKILL; on a busy box that is too short, and the raylet's dashboard and runtime-env agents
-    then take a SIGKILLed raylet for a crash and try to report it to the GCS (already gone)
-    before they fate-share, which took more than 30 s in CI."""
+    """Ray's shutdown (`shutdown_ray`), then end what it left. Its graceful stop gives the
+    raylet 1 s before SIGKILL; on a busy box that is too short, and the raylet's dashboard and
+    runtime-env agents then take a SIGKILLed raylet for a crash and try to report it to the GCS
+    (already gone) before they fate-share, which took more than 30 s in CI."""
     import psutil
 
     from pipeline.commands.shutdown import shutdown_ray

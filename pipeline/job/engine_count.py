@@ -128,7 +128,7 @@ def resolve_engines(
     and the reason for the count (None when it was given)."""
     compute = config.compute
     reason = None
-    count, each = compute.num_actors, compute.engines_per_actor
+    count, each = compute.num_actors, compute.engines_each
     if count == AUTO_ACTORS:
         if gpus or config.engine.world_size > 1 or compute.resources:
             count, reason = 1, "one engine for GPU, tensor/pipeline-parallel or custom resources"
@@ -138,10 +138,9 @@ def resolve_engines(
             per_engine = engine_bytes(hf_config, width, config.engine.kv_cache_memory_gb)
             threads = compute.torch_threads or 1
             engines, reason = cpu_engines(nodes, threads, per_engine, sequences)
-            count, each = engine_processes(engines, each, len(nodes))
+            count, each = engine_processes(engines, compute.engines_per_actor, len(nodes))
             if each > 1:
                 reason += f"; {each} engines in each of {count} actor process(es)"
-    each = 1 if each == AUTO_ACTORS else int(each)
     cpus = compute.num_cpus_per_actor
     if cpus is None and count * each > 1 and not gpus and config.engine.world_size == 1:
         tokenize = compute.tokenize_num_cpus * compute.num_tokenize_actors

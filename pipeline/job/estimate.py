@@ -11,7 +11,7 @@ Calibration, with the job's engine built here (no Ray, no actor):
        again, cycled to that many: their cached blocks make the prefill next to nothing)
     -> a decode step's cost as a line in its batch size: overhead + per-sequence x batch
 
-The estimate, per engine actor (its share of the rows and of the prompt tokens to compute):
+The estimate, per engine (its share of the rows and of the prompt tokens to compute):
 
     prefill  = tokens to compute / prompt tokens per s
     decode   = steps x overhead + decode tokens x per-sequence cost
@@ -81,13 +81,13 @@ class Workload:
         return min(self.max_num_seqs, self.max_num_batched_tokens)
 
     def batch(self) -> int:
-        """The batch an actor starts decoding with."""
+        """The batch an engine starts decoding with."""
         return min(math.ceil(self.sequences / self.num_engines), self.batch_cap)
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """The estimated engine time of one actor (they run side by side), in its parts."""
+    """The estimated time of one engine (they run side by side), in its parts."""
 
     prefill_s: float
     decode_s: float
