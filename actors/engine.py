@@ -62,12 +62,27 @@ class LLMEngine(PromptQueue):
         tokenizer: Any = None,
         compiled_graph: bool | None = None,
         resolved_model: ResolvedModel | None = None,
+        weights_from: LLMEngine | None = None,
     ) -> None:
         """`compiled_graph` (pp > 1 only): True runs steps through a Ray compiled graph, False
         through one Ray task per worker per step, None chooses (`actors.parallel.pipelined`).
-        `resolved_model`: `config.model` as the caller resolved it (`actors.loader`)."""
+        `resolved_model`: `config.model` as the caller resolved it (`actors.loader`).
+        `weights_from`: an engine of the same config in this process whose model, tokenizer
+        and packed weights this one runs on (`shares_weights` says which can), with a KV
+        pool, scheduler and sampler of its own: two engines stepped by two threads of one
+        process hold the weights once."""
         self.config = config = config or EngineConfig()
         self._build_thread = BuildThread()  # warns if another thread steps it (see there)
+        shared: ModelRunner | None = None
+        if weights_from is not None:
+            if not weights_from.shares_weights or weights_from.config != config:
+                raise ValueError(
+                    "weights_from: an engine of the same config, one process, no length-"
+                    "dependent rope"
+                )
+            assert isinstance(weights_from.runner, ModelRunner)  # `shares_weights` says so
+            shared = weights_from.runner
+            model, tokenizer = shared.model, weights_from.tokenizer
         model, tokenizer, dtype = load_for_engine(config, model, tokenizer, resolved_model)
         self.tokenizer = tokenizer
         self.model = model
@@ -86,7 +101,7 @@ class LLMEngine(PromptQueue):
         elif compiled_graph:
             raise ValueError("compiled_graph needs pipeline_parallel_size > 1")
         else:
-            self.runner = ModelRunner(model, config, num_blocks)
+            self.runner = ModelRunner(model, config, num_blocks, weights_of=shared)
         # One request set per step that can be in flight, each with its own slice of the
         # KV pool (pp sets for a pipeline-parallel engine, else one).
         sets = self.runner.max_in_flight
@@ -164,6 +179,12 @@ class LLMEngine(PromptQueue):
         """Forget every cached prefix block, as vLLM's `LLM.reset_prefix_cache`; only while
         no request is unfinished (returns False and changes nothing otherwise)."""
         return not self.has_unfinished() and self.scheduler.reset_prefix_cache()
+
+    @property
+    def shares_weights(self) -> bool:
+        """Whether another engine can run on this one's weights (`weights_from`): a model in
+        this process (not tp x pp workers') whose rope keeps no per-step state."""
+        return isinstance(self.runner, ModelRunner) and self.runner.rotary is None
 
     @property
     def stats(self) -> EngineStats:

@@ -60,7 +60,17 @@ def model_geometry(model: Any) -> tuple[int, int, int]:
 class ModelRunner:
     """Owns the model and the KV tensors; executes scheduled steps."""
 
-    def __init__(self, model: Any, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: EngineConfig,
+        num_blocks: int,
+        weights_of: ModelRunner | None = None,
+    ) -> None:
+        """`weights_of`: another runner in this process on the same model and config, whose
+        set-up (packed linears, fused layers, screened head) this one uses as it is; only the
+        KV tensors and the attention backend are this runner's own. Each step's state travels
+        in the model call's arguments, so two threads can run the shared model at once."""
         self.model = model
         self.config = config
         self.block_size = config.block_size
@@ -84,6 +94,9 @@ class ModelRunner:
             config.shared_prefix_min_keys,
         )
         attention.register()
+        if weights_of is not None:
+            self._share_setup(weights_of)
+            return
         model.set_attn_implementation(attention.ATTN_NAME)
         self.rotary = _request_rotary(model)
         self.linear_backend = cpu_linear.resolve(
@@ -111,6 +124,19 @@ class ModelRunner:
         if screened_head.wanted(config.lm_head_screen, model, self.device, self.dtype, cpu):
             self.screened_head = ScreenedHead(model.get_output_embeddings(), cpu_linear.BATCH_HINT)
             logger.info("greedy steps take the screened bfloat16 LM head (lm_head_screen)")
+
+    def _share_setup(self, other: ModelRunner) -> None:
+        """Run `other`'s model as `other` set it up (its packed weights are not copied)."""
+        if other.model is not self.model or other.config != self.config:
+            raise ValueError("a runner shares the set-up of one on the same model and config")
+        if other.rotary is not None:  # its per-step frequencies live on the shared module
+            raise ValueError("a model whose rope depends on the length cannot be shared")
+        self.rotary = None
+        self.linear_backend = other.linear_backend
+        self.fused_ops = other.fused_ops
+        self.greedy_argmax = other.greedy_argmax
+        head = other.screened_head
+        self.screened_head = head.twin() if head is not None else None
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """Lay the step out as one flat sequence (decodes first; `actors.step_layout`)."""

@@ -33,6 +33,7 @@ threshold per row, rounded down to bfloat16 (so the comparison keeps a superset)
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -159,6 +160,13 @@ class ScreenedHead:
         self._gamma_acc = gamma(2 * k)
         self._gamma_ref = gamma(k)
         self.stats = ScreenStats()
+
+    def twin(self) -> ScreenedHead:
+        """The same packed weights and norms with counters of its own (a second engine on
+        the same model in this process)."""
+        other = copy.copy(self)
+        other.stats = ScreenStats()
+        return other
 
     def error_bound(self, hidden: torch.Tensor, h_b: torch.Tensor) -> torch.Tensor:
         """A per row (float64 `[rows]`): |y_j - r_j| <= A + u |y_j| for every j (module doc)."""

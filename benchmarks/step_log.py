@@ -20,10 +20,10 @@ def step_recording_stage(path: Path) -> type[InferStage]:
     or with several engine actors to one file per actor beside it (`read_step_logs`)."""
 
     class Recorded(InferStage):
-        def _new_engine(self):  # noqa: ANN202
-            engine = super()._new_engine()
+        def _new_engine(self, beside=None):  # noqa: ANN001, ANN202
+            engine = super()._new_engine(beside)
             # One record per actor, whose engines (engines_per_actor) build in threads of
-            # their own at once: `setdefault` makes them share it.
+            # their own: `setdefault` makes them share it.
             fields: dict[str, Any] = self.__dict__
             fields.setdefault("steps", [])  # (start, running, waiting, seconds) per step
             fields.setdefault("shards_done", [])

@@ -5,7 +5,8 @@ tasks at once (`max_concurrent_calls_per_actor` in pipeline/processor/build.py);
 one `pipeline.stages.feed.EngineFeed`, whose thread steps the engine and queues a new shard's
 prompts between two steps, so the running batch stays full across shard boundaries. An actor
 of several engines (`engines`: `ComputeConfig.engines_per_actor`) has a feed per engine and
-hands each shard to the feed with the fewest rows still to finish. A shard's
+hands each shard to the feed with the fewest rows still to finish; the engines after the
+first run on its weights (`LLMEngine(weights_from=)`: loaded and packed once). A shard's
 prefix groups (nested when the plan made them so) go to `engine.add_prompts` as
 `packing.PrefixGroup`s over the shard's prompts, so each shared prefix is computed once. Rows
 that arrive with an error skip the engine and come out as they are.
@@ -34,8 +35,8 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 
 import pyarrow as pa
 
@@ -107,21 +108,20 @@ class InferStage(Stage):
         self.parsed_type = parsed_type  # the `parsed` column's (pipeline/stages/parsed.py), or none
         self._build_lock = threading.Lock()  # `_new_engine`'s
 
-        def new_feed(built=None) -> EngineFeed:  # noqa: ANN001 (an engine or None)
+        def new_feed(build, built=None) -> EngineFeed:  # noqa: ANN001 (an engine or None)
             return EngineFeed(
                 built,
-                self._new_engine,
+                build,
                 _close_engine,
                 engine_retries=engine_retries,
                 torch_threads=torch_threads,
                 on_finished=self.progress.finished if self.progress else None,
             )  # given no engine, the feed builds one in its own thread (pipeline/stages/feed.py)
 
-        if engine is not None or engines == 1:
-            self.feeds = [new_feed(engine)]
-        else:  # each feed builds its engine in its own thread, one at a time (`_new_engine`)
-            with ThreadPoolExecutor(engines, thread_name_prefix="engine-build") as pool:
-                self.feeds = list(pool.map(lambda _: new_feed(), range(engines)))
+        self.feeds = [new_feed(self._new_engine, engine)]
+        if engine is None:  # the others beside the first, each in its own feed's thread
+            first = self.feeds[0].engine
+            self.feeds += [new_feed(partial(self._new_engine, first)) for _ in range(engines - 1)]
         self._unfinished = [0] * len(self.feeds)  # rows (samples) each feed has yet to finish
         self._route = threading.Lock()
         self.marks.loaded = time.time()
@@ -131,17 +131,23 @@ class InferStage(Stage):
         """The (first) engine now in use (a worker failure replaces it)."""
         return self.feeds[0].engine
 
-    def _new_engine(self):  # noqa: ANN202 (actors.LLMEngine)
-        # One engine built at a time: transformers' `from_pretrained` is not thread-safe (two
-        # at once in one process: "Cannot copy out of meta tensor" from one whose weights
-        # the other's meta-device context made), and the first build's imports are the
-        # whole process's anyway.
+    def _new_engine(self, beside=None):  # noqa: ANN001, ANN202 (actors.LLMEngine)
+        """An engine for this actor; `beside` (the actor's first engine, for the others): on
+        its weights when it can share them (no second load or packing, the weights held
+        once), else loaded as it was."""
+        import torch
+
+        from actors import LLMEngine
+
+        started = time.perf_counter()  # the feed's thread, the collector paused (feed.py)
+        if beside is not None and beside.shares_weights:
+            engine = LLMEngine(self.engine_config, weights_from=beside)
+            logger.info("engine on the first's weights in %.2fs", time.perf_counter() - started)
+            return engine
+        # One load at a time: transformers' `from_pretrained` is not thread-safe (two at once
+        # in one process: "Cannot copy out of meta tensor" from one whose weights the
+        # other's meta-device context made).
         with self._build_lock:
-            import torch
-
-            from actors import LLMEngine
-
-            started = time.perf_counter()  # the feed's thread, the collector paused (feed.py)
             engine = LLMEngine(
                 self.engine_config, tokenizer=self.tokenizer, resolved_model=self.resolved_model
             )

@@ -54,6 +54,7 @@ def test_two_engines_in_one_stage_give_the_tokens_of_one(tiny_model_dir: Path) -
     want = _tokens(one(s) for s in shards)
     two = InferStage(engine, sampling, torch_threads=1, engines=2)
     assert len(two.feeds) == 2 and two.feeds[0].engine is not two.feeds[1].engine
+    assert two.feeds[1].engine.model is two.feeds[0].engine.model  # loaded once
     start = threading.Barrier(len(shards))
 
     def call(shard):  # noqa: ANN001, ANN202 (a Ray Data call of the actor, in its thread)

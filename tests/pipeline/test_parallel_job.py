@@ -81,10 +81,10 @@ def crash_once_stage(marker: Path, stage: int, rank: int) -> type[InferStage]:
     counts the engines it builds in `<marker>.engines`."""
 
     class CrashOnce(InferStage):
-        def _new_engine(self):
+        def _new_engine(self, beside=None):
             with marker.with_suffix(".engines").open("a") as f:
                 f.write("engine\n")
-            return super()._new_engine()
+            return super()._new_engine(beside)
 
         def run_shard(self, shard):
             if not marker.exists():
