@@ -193,6 +193,9 @@ def run_one_job(
     first_step = min(s[0] for s in steps["steps"])
     last_step = max(s[0] + s[3] for s in steps["steps"])
     first_op = min(start for start, _ in spans.values())
+    ends: dict[str, float] = {}  # each engine's last step's end
+    for s in steps["steps"]:
+        ends[s[4]] = max(ends.get(s[4], 0.0), s[0] + s[3])
     ids = out["id"].to_pylist()
     return {
         "wall_s": round(ended - started, 2),
@@ -210,6 +213,8 @@ def run_one_job(
             "plan_done_to_first_step": round(first_step - spans["plan"][1], 2),
             "engine_steps_span": round(last_step - first_step, 2),
             "engine_step_s": round(step_s, 2),
+            # the last step's end less the first engine to finish's: one engine working alone
+            "one_engine_tail": round(last_step - min(ends.values()), 2),
             "after_last_step": round(ended - last_step, 2),  # last write, summary, report
             "last_step_to_written": round(marks["written"] - last_step, 2),
             "written_to_return": round(returned - marks["written"], 2),  # summary, report
@@ -382,6 +387,7 @@ def report(args: argparse.Namespace, alone_runs: list[dict], jobs: dict[str, lis
             "job_minus_steps_runs_s": [
                 round(j["job_s"] - j["phases_s"].get("steps", 0.0), 2) for j in runs
             ],
+            "one_engine_tail_runs_s": [j["breakdown_s"]["one_engine_tail"] for j in runs],
             "steps": last["steps"],
             "stepping_thread": last["stepping_thread"],
             "median_running_per_step": statistics.median(running),

@@ -220,7 +220,7 @@ def run_jobs(rows: list[tuple[str, list[dict]]], args: argparse.Namespace, work:
         walls.append(time.perf_counter() - started)
         jobs.append(returned - up)
         # the last run's start-up and tail (pipeline/job/phases.py), plan and batch per step
-        steps = read_step_logs(steps_file)["steps"]  # (start, running, waiting, s)
+        steps = read_step_logs(steps_file)["steps"]  # (start, running, waiting, s, engine)
         last = {
             "phases_s": summary.phases_s,
             "num_shards": summary.num_shards,

@@ -25,7 +25,7 @@ def step_recording_stage(path: Path) -> type[InferStage]:
             # One record per actor, whose engines (engines_per_actor) build in threads of
             # their own: `setdefault` makes them share it.
             fields: dict[str, Any] = self.__dict__
-            fields.setdefault("steps", [])  # (start, running, waiting, seconds) per step
+            fields.setdefault("steps", [])  # (start, running, waiting, seconds, engine) per step
             fields.setdefault("shards_done", [])
             fields.setdefault("actor", {})
             fields.setdefault("dump_lock", threading.Lock())  # shards finish in several threads
@@ -42,8 +42,14 @@ def step_recording_stage(path: Path) -> type[InferStage]:
                 started = time.perf_counter()
                 outputs = step()
                 s = engine.scheduler
-                self.steps.append(
-                    (started, len(s.running), len(s.waiting), time.perf_counter() - started)
+                self.steps.append(  # the stepping thread names the engine
+                    (
+                        started,
+                        len(s.running),
+                        len(s.waiting),
+                        time.perf_counter() - started,
+                        f"{os.getpid()}.{threading.get_ident()}",
+                    )
                 )
                 return outputs
 
@@ -69,7 +75,8 @@ def step_recording_stage(path: Path) -> type[InferStage]:
 
 def read_step_logs(path: Path) -> dict[str, Any]:
     """The logs `step_recording_stage(path)` wrote, one per engine actor, merged: the steps
-    of every actor in time order, each shard's end, and each actor's stepping thread."""
+    of every engine in time order (the last field names the engine), each shard's end,
+    and each actor's stepping thread."""
     logs = [json.loads(f.read_text()) for f in sorted(path.parent.glob(f"{path.stem}.*"))]
     return {
         "steps": sorted(s for log in logs for s in log["steps"]),
