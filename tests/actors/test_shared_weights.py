@@ -1,7 +1,7 @@
 """Two engines on one model in one process (`LLMEngine(weights_from=)`, as an engine actor runs
 the engines after its first): stepped at once by two threads, each gives the tokens one
-engine gives alone, with the weights loaded and packed once; a model whose rope keeps
-per-step state, another config, or no engine to share are refused."""
+engine gives alone, with the weights loaded and packed once; sharing a model whose rope
+keeps per-step state on its module, or an engine of another config, is refused."""
 
 from __future__ import annotations
 
