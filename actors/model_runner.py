@@ -126,11 +126,9 @@ class ModelRunner:
             logger.info("greedy steps take the screened bfloat16 LM head (lm_head_screen)")
 
     def _share_setup(self, other: ModelRunner) -> None:
-        """Run `other`'s model as `other` set it up (its packed weights are not copied)."""
-        if other.model is not self.model or other.config != self.config:
-            raise ValueError("a runner shares the set-up of one on the same model and config")
-        if other.rotary is not None:  # its per-step frequencies live on the shared module
-            raise ValueError("a model whose rope depends on the length cannot be shared")
+        """Run `other`'s model as `other` set it up (its packed weights are not copied). The
+        engine checked it can be shared (`LLMEngine.shares_weights`, the same config)."""
+        assert other.model is self.model and other.rotary is None
         self.rotary = None
         self.linear_backend = other.linear_backend
         self.fused_ops = other.fused_ops

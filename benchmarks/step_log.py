@@ -30,6 +30,7 @@ def step_recording_stage(path: Path) -> type[InferStage]:
             fields.setdefault("actor", {})
             fields.setdefault("dump_lock", threading.Lock())  # shards finish in several threads
             step = engine.step
+            label = f"{os.getpid()}.{threading.get_ident()}"  # built in its stepping thread
 
             def recorded():  # noqa: ANN202
                 if not self.actor:  # the stepping thread, as it runs the first step
@@ -42,14 +43,8 @@ def step_recording_stage(path: Path) -> type[InferStage]:
                 started = time.perf_counter()
                 outputs = step()
                 s = engine.scheduler
-                self.steps.append(  # the stepping thread names the engine
-                    (
-                        started,
-                        len(s.running),
-                        len(s.waiting),
-                        time.perf_counter() - started,
-                        f"{os.getpid()}.{threading.get_ident()}",
-                    )
+                self.steps.append(
+                    (started, len(s.running), len(s.waiting), time.perf_counter() - started, label)
                 )
                 return outputs
 
