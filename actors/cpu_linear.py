@@ -40,17 +40,28 @@ def onednn_available() -> bool:
     return built and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """oneDNN's packed linear ops run `dtype` on this CPU. Its bfloat16 path needs AVX-512
+    (BW, VL, DQ) or AVX-NE-CONVERT, which torch itself checks (inductor asks the same op):
+    on an AVX2-only CPU `_reorder_linear_weight` raises for a bfloat16 weight (an AMD EPYC
+    7xx3, 2026-11-28), and torch's own matmul, which emulates it, is what runs there."""
+    if not onednn_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def resolve(choice: str, device: torch.device, dtype: torch.dtype, copy_bytes: int = 0) -> str:
     """`EngineConfig.linear_backend` for this engine: "onednn" or "torch". `auto` keeps torch's
     linear when the packed copy (`copy_bytes`) would take more than half the memory free now:
     a user's large model on a CPU box must load, faster or not."""
     if choice == "torch":
         return "torch"
-    usable = device.type == "cpu" and dtype in PACKED_DTYPES and onednn_available()
+    usable = device.type == "cpu" and dtype in PACKED_DTYPES and onednn_runs(dtype)
     if choice == "onednn" and not usable:
         raise ValueError(
-            f"linear_backend='onednn' needs a CPU model in float32 or bfloat16 and torch "
-            f"with oneDNN; got {device.type} {dtype}"
+            f"linear_backend='onednn' needs a CPU model in float32 or bfloat16 (bfloat16 on "
+            f"a CPU with AVX-512 or AVX-NE-CONVERT) and torch with oneDNN; got "
+            f"{device.type} {dtype}"
         )
     if choice == "auto" and usable and copy_bytes > free_memory_bytes() // 2:
         logger.warning(

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from actors.cpu_linear import onednn_runs
 from actors.request import Request
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ def screenable(req: Request) -> bool:
 def wanted(choice: str, model: Any, device: torch.device, dtype: torch.dtype, cpu: Any) -> bool:
     """`EngineConfig.lm_head_screen` for this engine: "auto" screens float32 models on a CPU
     with native bfloat16 (`cpu.native_bf16`); "on" wherever it can run (a CPU float32 model
-    of a listed architecture with a bias-free LM head, torch with oneDNN); "off" never."""
+    of a listed architecture with a bias-free LM head, on a CPU where oneDNN runs bfloat16:
+    `cpu_linear.onednn_runs`); "off" never."""
     if choice == "off":
         return False
     head = model.get_output_embeddings()
@@ -117,13 +119,14 @@ def wanted(choice: str, model: Any, device: torch.device, dtype: torch.dtype, cp
         and model.config.model_type in MODEL_TYPES
         and isinstance(head, torch.nn.Linear)
         and head.bias is None
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and onednn_runs(torch.bfloat16)
     )
     if choice == "on":
         if not possible:
             logger.warning(
                 "lm_head_screen='on' does not apply to this model (a CPU float32 model of "
-                "%s with a bias-free LM head): the full float32 head runs",
+                "%s with a bias-free LM head, on a CPU where oneDNN runs bfloat16): the "
+                "full float32 head runs",
                 sorted(MODEL_TYPES),
             )
         return possible

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors import EngineConfig, SamplingParams, cpu_linear
+from actors import EngineConfig, LLMEngine, SamplingParams, cpu_linear
 from tests.actors.reference import assert_greedy_match, hf_greedy
+from tests.cpu_marks import ONEDNN_BF16, PACKED_BF16
 from tests.tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, PACKED_BF16])
 def test_packed_linears_compute_what_f_linear_does(dtype) -> None:
     model = tiny_model("llama").to(dtype)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -60,6 +61,29 @@ def test_auto_picks_onednn_on_cpu_and_a_bad_name_is_refused() -> None:
         cpu_linear.resolve("onednn", torch.device("meta"), torch.float32)
     with pytest.raises(ValueError, match="linear_backend"):
         EngineConfig(linear_backend="mkl")  # type: ignore[arg-type]
+
+
+def test_bfloat16_goes_to_onednn_only_where_the_cpu_runs_its_bfloat16_path(tokenizer) -> None:
+    """On an AVX2-only CPU oneDNN refuses to pack a bfloat16 weight: the check says so before
+    anything is packed, `auto` keeps torch's matmul there, and asking for oneDNN is refused."""
+    cpu = torch.device("cpu")
+    weight = torch.randn(64, 32).to(torch.bfloat16)
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(weight, cpu_linear.BATCH_HINT)
+        packs = True
+    except RuntimeError:
+        packs = False
+    assert cpu_linear.onednn_runs(torch.bfloat16) == packs == ONEDNN_BF16
+    assert cpu_linear.onednn_runs(torch.float32)
+    expected = "onednn" if packs else "torch"
+    assert cpu_linear.resolve("auto", cpu, torch.bfloat16) == expected
+    if not packs:
+        with pytest.raises(ValueError, match="AVX-512"):
+            cpu_linear.resolve("onednn", cpu, torch.bfloat16)
+    model = tiny_model("llama").to(torch.bfloat16)
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64), model=model, tokenizer=tokenizer)
+    assert engine.runner.linear_backend == expected
+    assert len(engine.generate(["Hello"], SamplingParams(max_tokens=3))[0].token_ids) == 3
 
 
 def test_auto_keeps_torch_when_the_packed_copy_would_not_fit(caplog) -> None:

@@ -17,6 +17,7 @@ from actors import (
     rotary_attention,
 )
 from actors.kernels.fused import fused_ops
+from tests.cpu_marks import PACKED_BF16, needs_onednn_bf16
 from tests.tiny_models import tiny_model
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -74,7 +75,7 @@ def test_rotary_in_place_is_transformers_rotary_bit_for_bit(dtype, tokens) -> No
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, PACKED_BF16])  # packed linears
 def test_layers_on_the_kernels_are_bit_identical_to_transformers_layers(dtype) -> None:
     ops = _ops(dtype)
     model = tiny_model("llama", num_layers=3).to(dtype)
@@ -145,7 +146,7 @@ def test_bfloat16_argmax_orders_every_bit_pattern_as_torch() -> None:
     assert torch.equal(ops.argmax(logits), logits.float().argmax(-1))
 
 
-@pytest.mark.skipif(not cpu_linear.onednn_available(), reason="torch was built without oneDNN")
+@needs_onednn_bf16
 def test_bfloat16_engine_greedy_steps_take_the_kernel_argmax_same_tokens(tokenizer) -> None:
     _ops(torch.bfloat16)
     prompts = ["Hello there, how are you doing today?", "The capital of France is", "x"]

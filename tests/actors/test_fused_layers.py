@@ -10,6 +10,7 @@ import torch
 from actors import SamplingParams, cpu_linear, llama_layer, rotary_attention
 from actors.fused_linear import FusedProjection
 from tests.actors.reference import assert_greedy_match, hf_greedy
+from tests.cpu_marks import PACKED_BF16
 from tests.tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -136,7 +137,7 @@ def test_a_later_engine_runs_the_model_as_its_own_config_says(make_engine) -> No
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, PACKED_BF16])
 def test_one_function_llama_layer_is_bit_identical_and_only_where_all_is_llamas(dtype) -> None:
     model = tiny_model("llama", num_layers=3).to(dtype)
     ids = torch.randint(0, 49152, (1, 23), generator=torch.Generator().manual_seed(1))

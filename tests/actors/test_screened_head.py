@@ -12,6 +12,7 @@ from actors.agreement import teacher_forced
 from actors.dtypes import CpuInfo
 from actors.screened_head import MAX_CANDIDATES, ScreenedHead, row_norm_maxima, wanted
 from tests.actors.reference import assert_greedy_match, hf_greedy
+from tests.cpu_marks import ONEDNN_BF16, needs_onednn_bf16
 from tests.tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -32,6 +33,7 @@ def _hidden(rows: int, k: int, seed: int, scale: float = 3.0) -> torch.Tensor:
     return torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)) * scale
 
 
+@needs_onednn_bf16
 @torch.inference_mode()
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0, 1e4])
 def test_the_bound_holds_for_every_token(scale) -> None:
@@ -62,6 +64,7 @@ def test_the_heads_norms_by_chunks_are_the_whole_heads(chunk_rows) -> None:
     assert got[0] > 50 * float(wb64[:5999].norm(dim=1).max()) / 2
 
 
+@needs_onednn_bf16
 @torch.inference_mode()
 def test_screened_argmax_is_the_float32_argmax_on_random_rows() -> None:
     for seed in range(3):
@@ -72,6 +75,7 @@ def test_screened_argmax_is_the_float32_argmax_on_random_rows() -> None:
     assert screened.stats.fallback_rows == 0 and screened.stats.candidates > 0
 
 
+@needs_onednn_bf16
 @torch.inference_mode()
 def test_near_ties_that_bfloat16_cannot_see_are_decided_in_float32() -> None:
     head = _head()
@@ -97,6 +101,7 @@ def test_near_ties_that_bfloat16_cannot_see_are_decided_in_float32() -> None:
     assert got[2] == 5999
 
 
+@needs_onednn_bf16
 @torch.inference_mode()
 def test_huge_rows_degenerate_and_non_finite_rows_fall_back_or_win() -> None:
     head = _head()
@@ -119,10 +124,11 @@ def test_auto_screens_float32_on_a_cpu_with_native_bf16_only() -> None:
     cpu = torch.device("cpu")
     native = CpuInfo("x", frozenset({"avx512_bf16"}))
     plain = CpuInfo("x", frozenset({"avx2"}))
-    assert wanted("auto", model, cpu, torch.float32, native)
+    # the screen runs where oneDNN runs bfloat16 (this machine's CPU), whatever `cpu` says
+    assert wanted("auto", model, cpu, torch.float32, native) == ONEDNN_BF16
     assert not wanted("auto", model, cpu, torch.float32, plain)
     assert not wanted("auto", model, cpu, torch.bfloat16, native)
-    assert wanted("on", model, cpu, torch.float32, plain)
+    assert wanted("on", model, cpu, torch.float32, plain) == ONEDNN_BF16
     assert not wanted("on", model, cpu, torch.bfloat16, native)
     assert not wanted("off", model, cpu, torch.float32, native)
 
@@ -130,6 +136,7 @@ def test_auto_screens_float32_on_a_cpu_with_native_bf16_only() -> None:
 PROMPTS = ["Hello there, how are you doing today?", "The capital of France is", "x"]
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_engine_tokens_with_screening_on_equal_off_and_hf(
     make_engine, tokenizer, reference_models, arch
@@ -147,6 +154,7 @@ def test_engine_tokens_with_screening_on_equal_off_and_hf(
         assert_greedy_match(reference_models[arch], ids, a.token_ids, expected)
 
 
+@needs_onednn_bf16
 def test_steps_mixing_greedy_sampled_and_logprob_rows_are_as_without_screening(
     make_engine,
 ) -> None:
@@ -172,6 +180,7 @@ def test_steps_mixing_greedy_sampled_and_logprob_rows_are_as_without_screening(
     assert on.runner.screened_head.stats.steps > 0
 
 
+@needs_onednn_bf16
 def test_teacher_forcing_reads_full_logits_on_a_screened_engine(make_engine, tokenizer) -> None:
     on = make_engine("llama", dtype="float32", lm_head_screen="on")
     off = make_engine("llama", dtype="float32", lm_head_screen="off")
