@@ -112,19 +112,22 @@ def engine_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]
     """The engine mode once per combination of the options' values, each named by what
     differs from the defaults (`engine`, `engine-torch-unfused-noscreen-nogroups`, ...)."""
     variants = []
-    for backend, fused, kernels, screen, groups in itertools.product(
+    for attention, backend, fused, kernels, screen, groups in itertools.product(
+        args.attention_backends.split(","),
         args.linear_backends.split(","),
         args.fused_layers.split(","),
         args.fused_kernels.split(","),
         args.lm_head_screen.split(","),
         args.prefix_groups.split(","),
     ):
-        key = "engine" if backend == "auto" else f"engine-{backend}"
+        key = "engine" if attention == "auto" else f"engine-{attention}"
+        key += "" if backend == "auto" else f"-{backend}"
         key += "" if fused == "on" else "-unfused"
         key += "" if kernels == "on" else "-torchops"
         key += {"auto": "", "on": "-screen"}.get(screen, "-noscreen")
         key += "" if groups == "on" else "-nogroups"
         options = {
+            "attention_backend": attention,
             "linear_backend": backend,
             "fused_layers": fused == "on",
             "fused_kernels": kernels == "on",
@@ -276,6 +279,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--doc-tokens", type=int, default=1000, help="prefix set: doc length")
     parser.add_argument("--questions", type=int, default=16, help="prefix set: per document")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--attention-backends",
+        default="auto",
+        help="the engine mode once per EngineConfig.attention_backend (auto, sdpa, cpu_kernel, "
+        "...: `engine-sdpa`)",
+    )
     parser.add_argument(
         "--linear-backends",
         default="auto",
