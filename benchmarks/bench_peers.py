@@ -270,7 +270,7 @@ def summarize(name: str, run: dict[str, Any], reference: list[list[int]] | None)
     return entry
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sets", default="alpaca,prefix", help="alpaca and/or prefix")
     parser.add_argument("--modes", default="engine,job,vllm", help="engine, job, vllm")
@@ -336,7 +336,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="medians over this many calls")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the JSON report to this file (too)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if "engine" in modes and argv is None:
         with_allocator(args.allocator)

@@ -29,3 +29,13 @@ def test_documents_are_shared_prefixes_of_their_questions(tokenizer) -> None:
 def test_vllm_env_binds_threads_and_caps_the_kv_cache() -> None:
     env = bench_peers.vllm_env(threads=2)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+
+
+def test_engine_variants_are_named_by_what_differs_from_the_defaults() -> None:
+    parser_args = ["--attention-backends", "auto,sdpa", "--linear-backends", "auto,torch"]
+    args = bench_peers.parse_args(parser_args)
+    variants = dict(bench_peers.engine_variants(args))
+    assert list(variants) == ["engine", "engine-torch", "engine-sdpa", "engine-sdpa-torch"]
+    assert variants["engine-sdpa-torch"]["attention_backend"] == "sdpa"
+    assert variants["engine-sdpa-torch"]["linear_backend"] == "torch"
+    assert variants["engine"]["attention_backend"] == variants["engine"]["linear_backend"] == "auto"
