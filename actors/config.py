@@ -67,8 +67,11 @@ class EngineConfig:
     # Decodes whose block tables start with the same blocks (a prefix group's shared prefix,
     # at every nesting level, or blocks shared by hash) read those blocks once per step for
     # all of them, merged exactly with their own keys (actors/attention/shared_prefix.py);
-    # with the C kernel (cpu_kernel, float32 or bfloat16) only, the other backends ignore it
-    shared_prefix_attention: bool = True
+    # with the C kernel (cpu_kernel, float32 or bfloat16) only, the other backends ignore it.
+    # None (auto): where the kernel has its AVX-512 run tiles; on an AVX2-only CPU the plain
+    # runs were slower than each decode reading the blocks (prefix set: 102 s against 62-72 s,
+    # docs/benchmarks-peers.md). True: wherever the C kernel runs; False: never
+    shared_prefix_attention: bool | None = None
     # ... for a shared run whose members x keys reach this; smaller runs cost more apart
     # (one more call and merge per layer) than read by each member (docs/benchmarks.md)
     shared_prefix_min_keys: int = 8192

@@ -127,7 +127,8 @@ def add_engine_flags(
     g.add_argument(
         "--no-shared-prefix-attention",
         action="store_true",
-        help="decodes read a shared prefix's KV once each (not once per group and step)",
+        help="decodes read a shared prefix's KV once each (not once per group and step); "
+        "default: once per group and step where the C kernel has its AVX-512 tiles",
     )
     g.add_argument(
         "--tensor-parallel-size",
@@ -167,8 +168,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
         values["enable_prefix_caching"] = not args.no_prefix_caching
     if getattr(args, "tpot_target_ms", None) is not None:
         values["tpot_target_s"] = args.tpot_target_ms / 1e3
-    if hasattr(args, "no_shared_prefix_attention"):
-        values["shared_prefix_attention"] = not args.no_shared_prefix_attention
+    if getattr(args, "no_shared_prefix_attention", False):
+        values["shared_prefix_attention"] = False
     if hasattr(args, "no_fused_layers"):
         values["fused_layers"] = not args.no_fused_layers
     values.update(overrides)

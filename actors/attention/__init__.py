@@ -11,8 +11,9 @@ A backend (`base.AttentionBackend`) is built once per engine from its KV tensors
 each step's metadata once (`prepare`) and attends once per layer (`forward`):
 - `cpu_kernel`: decodes by the compiled paged decode kernel (`kernel`, CPU float32), the rest
   of the step by SDPA per request (`sdpa.SdpaPrefillBackend`); with
-  `EngineConfig.shared_prefix_attention` (on) the decodes' shared blocks (a prefix group's,
-  at every nesting level) are read once per step for all of them (`shared_prefix`);
+  `EngineConfig.shared_prefix_attention` (on where the kernel has its AVX-512 run tiles)
+  the decodes' shared blocks (a prefix group's, at every nesting level) are read once per
+  step for all of them (`shared_prefix`);
 - `sdpa`: decodes gathered by block table for SDPA (`sdpa.SdpaDecodeBackend`), the rest as
   above; runs on any device;
 - `varlen`: the whole step in one flash varlen call (`varlen`, CUDA in bf16/fp16).

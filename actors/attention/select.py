@@ -67,12 +67,16 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
 
 
 def make_backend(
-    name: str, kv_caches: KVCaches, shared_prefix: bool = False, shared_prefix_min_keys: int = 1
+    name: str,
+    kv_caches: KVCaches,
+    shared_prefix: bool | None = False,
+    shared_prefix_min_keys: int = 1,
 ) -> AttentionBackend[Any]:
     """The backend `name` stands for, over `kv_caches` (whose device and dtype decide); with
     `shared_prefix` (`EngineConfig.shared_prefix_attention`) the C kernel's decodes read
     blocks that decodes share once per step, runs of members x keys >= the minimum
-    (`shared_prefix`; the C kernel's float32 and bfloat16: the other backends ignore it).
+    (`shared_prefix`; the C kernel's float32 and bfloat16: the other backends ignore it; None:
+    where the kernel was built with its AVX-512 run tiles, `PagedDecode.tiled_runs`).
     `cpu_kernel` in float32 attends its long prefill segments by oneDNN matrix products
     (`gemm_prefill`); bfloat16 and the `sdpa` backend keep SDPA for them."""
     owned = next(k for k, _ in kv_caches if k.dim() == 4)
@@ -85,7 +89,7 @@ def make_backend(
             prefill = GemmPrefillBackend(kv_caches)
         kernel = paged_decode_kernel(owned.device, owned.dtype)
         assert kernel is not None  # resolve_backend checked
-        if shared_prefix:
+        if kernel.tiled_runs if shared_prefix is None else shared_prefix:
             decode = SharedPrefixDecodeBackend(kv_caches, kernel, shared_prefix_min_keys)
             return HybridBackend(decode, prefill)
         return HybridBackend(KernelDecodeBackend(kv_caches, kernel), prefill)

@@ -72,6 +72,8 @@ class PagedDecode:
         runs.argtypes += [ctypes.c_float, ptr, ptr, i64]  # softcap (0: none), out, lse, threads
         runs.restype = ctypes.c_int
         self._runs = runs
+        # whether the runs take the AVX-512 tiles (shared_runs.h's RUN_BIG), not the plain path
+        self.tiled_runs = bool(library.raypack_shared_runs_tiled())
 
     def __call__(
         self,

@@ -54,3 +54,7 @@ int raypack_shared_runs_f32(const float *q, const float *k_cache, const float *v
     return attend_runs(q, k_cache, v_cache, tables, max_blocks, run_keys, row_start, num_runs,
                        kv_heads, head_dim, block_size, scale, softcap, out, lse, num_threads);
 }
+
+/* 1 where the runs take the AVX-512 tiles, 0 on the plain path (the engine's default uses the
+ * runs only with the tiles: EngineConfig.shared_prefix_attention). */
+int raypack_shared_runs_tiled(void) { return RUN_BIG; }

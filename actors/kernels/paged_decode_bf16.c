@@ -45,3 +45,7 @@ int raypack_shared_runs_bf16(const uint16_t *q, const uint16_t *k_cache, const u
     return attend_runs(q, k_cache, v_cache, tables, max_blocks, run_keys, row_start, num_runs,
                        kv_heads, head_dim, block_size, scale, softcap, out, lse, num_threads);
 }
+
+/* 1 where the runs take the AVX-512 tiles, 0 on the plain path (the engine's default uses the
+ * runs only with the tiles: EngineConfig.shared_prefix_attention). */
+int raypack_shared_runs_tiled(void) { return RUN_BIG; }

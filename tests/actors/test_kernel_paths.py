@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors import kernels
+from actors import EngineConfig, kernels
+from actors.attention.select import make_backend
+from actors.attention.shared_prefix import SharedPrefixDecodeBackend
+from actors.dtypes import cpu_info
 from tests.actors.reference import torch_threads
 from tests.actors.test_kernels import random_case
 
@@ -121,6 +124,20 @@ def test_the_path_for_cpus_without_avx512(tmp_path: Path) -> None:
     library = kernels.load_library(compiler, tmp_path, kernels.SOURCE, flags)
     assert library is not None
     kernel = kernels.PagedDecode(library, torch.float32)
+    assert not kernel.tiled_runs  # so the engine's default leaves its runs off
     check(kernel, torch.float32, 64, 16, 20, 1.5)
     check(kernel, torch.float32, 40, 6, None, None)
     check_runs(kernel, 64, 16, None)
+
+
+def test_shared_prefix_attention_by_default_only_where_the_runs_have_their_tiles() -> None:
+    """`EngineConfig.shared_prefix_attention` None: the shared-prefix decodes where the kernel
+    was built with its AVX-512 run tiles (on an AVX2-only CPU the plain runs were slower than
+    each decode reading its blocks); True and False as asked, on either CPU."""
+    native = {kernels.paged_decode_kernel("cpu", d).tiled_runs for d in kernels.KERNELS}
+    assert native == {"avx512f" in cpu_info().flags}  # what -march=native compiles for
+    caches = [(torch.zeros(4, 16, 2, 64),) * 2]
+    for choice, expected in ((None, native == {True}), (True, True), (False, False)):
+        backend = make_backend("cpu_kernel", caches, choice)
+        assert isinstance(backend.decode, SharedPrefixDecodeBackend) == expected, choice
+    assert EngineConfig().shared_prefix_attention is None

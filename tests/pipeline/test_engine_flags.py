@@ -40,7 +40,9 @@ def test_parallel_and_engine_flags() -> None:
         48,
     )
     assert not config.enable_prefix_caching and config.dtype == "bfloat16"
-    assert not config.shared_prefix_attention and EngineConfig().shared_prefix_attention
+    assert (
+        config.shared_prefix_attention is False and EngineConfig().shared_prefix_attention is None
+    )
     assert not config.fused_layers and EngineConfig().fused_layers
     assert config.lm_head_screen == "off" and EngineConfig().lm_head_screen == "auto"
     assert config.model == "/m" and config.seed == 5
